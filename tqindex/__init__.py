@@ -1,0 +1,21 @@
+"""tqindex: vectors compressed to 1-4 bits per coordinate, for ANN search and LLM KV caches."""
+
+from .codes import Codes
+from .encoder import Encoder, encoder_from_dict, encoder_names, make_encoder
+from .fp4 import FP4UE8M0
+from .rotation import Rotation
+from .turboquant import TurboQuantMSE, TurboQuantProd
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Codes",
+    "Encoder",
+    "FP4UE8M0",
+    "Rotation",
+    "TurboQuantMSE",
+    "TurboQuantProd",
+    "encoder_from_dict",
+    "encoder_names",
+    "make_encoder",
+]

@@ -1,0 +1,224 @@
+"""Encoder base class (input validation, shapes, devices, serialisation) and the encoder registry.
+
+Subclasses are dataclasses whose fields are their configuration; they implement ``_build`` (the
+tensors derived from the configuration: rotation, codebook, ...), ``_encode``, ``_decode_rotated``
+and ``code_size``. Everything else (validation, batching over leading dims, devices, ``score``) is here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .codes import Codes
+from .rotation import Rotation
+
+ENCODE_BLOCK_ELEMENTS = 1 << 22
+"""Encode works through blocks of about this many float elements."""
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def as_float_tensor(x: Any, dim: int, name: str = "x", allow_empty: bool = False) -> Tensor:
+    """Validate vectors ``x`` [..., dim] (numpy or torch, floating) and return them as float32 torch.
+
+    Raises TypeError for non-array or non-float input, ValueError for a wrong last dimension, an
+    empty batch (unless ``allow_empty``) or NaN/inf values.
+    """
+    if isinstance(x, np.ndarray):
+        if not np.issubdtype(x.dtype, np.floating):
+            raise TypeError(f"{name} must hold floating-point values (float16/32/64), got dtype {x.dtype}")
+        t = torch.from_numpy(np.ascontiguousarray(x))
+    elif isinstance(x, Tensor):
+        t = x
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(
+                f"{name} must be float16, bfloat16, float32 or float64, got dtype {t.dtype}"
+            )
+    else:
+        raise TypeError(f"{name} must be a numpy array or torch tensor, got {type(x).__name__}")
+    if t.dim() == 0 or t.shape[-1] != dim:
+        raise ValueError(f"{name} must have shape [..., {dim}] (dim={dim}), got {tuple(t.shape)}")
+    if t.numel() == 0 and not allow_empty:
+        raise ValueError(f"{name} is empty (shape {tuple(t.shape)}): nothing to encode")
+    t = t.detach().float()
+    if t.numel() and not bool(torch.isfinite(t).all()):
+        raise ValueError(f"{name} contains NaN or infinite values")
+    return t
+
+
+class Encoder(ABC):
+    """Base of every encoder: ``encode`` / ``decode`` / ``score`` over the last dimension.
+
+    ``score(q, codes) == q @ decode(codes).mT`` is the definition; subclasses compute it in the rotated
+    domain (``<q, x̂> = <R q, R x̂>``) without rotating the database back.
+    """
+
+    dim: int
+    seed: int
+    rotation: str
+
+    # -- configuration -----------------------------------------------------------------------------
+    def __post_init__(self) -> None:
+        if not isinstance(self.dim, int) or isinstance(self.dim, bool) or self.dim < 2:
+            raise ValueError(f"dim must be an integer >= 2, got {self.dim!r}")
+        if not isinstance(self.seed, int):
+            raise TypeError(f"seed must be an int, got {type(self.seed).__name__}")
+        self._validate()
+        self._state: dict[str, Tensor] = self._build()
+        self._per_device: dict[torch.device, dict[str, Tensor]] = {}
+        self._rotations: dict[torch.device, Rotation] = {}
+
+    def _validate(self) -> None:
+        """Check subclass fields (raise ValueError naming the field)."""
+
+    def _build(self) -> dict[str, Tensor]:
+        """Tensors derived from the configuration (CPU). Keys become file dataset names."""
+        return Rotation.create(self.dim, self.seed, self.rotation).tensors()
+
+    def tensors(self) -> dict[str, Tensor]:
+        """All derived tensors (rotation, codebook, ...) as stored in index files."""
+        return dict(self._state)
+
+    def load_tensors(self, tensors: dict[str, Tensor]) -> None:
+        """Replace the derived tensors by stored ones (same names, shapes and dtypes required)."""
+        if set(tensors) != set(self._state):
+            raise ValueError(f"encoder tensors {sorted(tensors)} do not match expected {sorted(self._state)}")
+        for k, v in tensors.items():
+            ref = self._state[k]
+            if tuple(v.shape) != tuple(ref.shape) or v.dtype != ref.dtype:
+                raise ValueError(f"encoder tensor {k!r}: got {tuple(v.shape)} {v.dtype}, expected {tuple(ref.shape)} {ref.dtype}")
+        self._state = {k: v.detach().cpu().clone() for k, v in tensors.items()}
+        self._per_device.clear()
+        self._rotations.clear()
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable configuration: ``{"type": class name, field: value, ...}``."""
+        return {"type": type(self).__name__, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}}
+
+    def _on(self, device: torch.device) -> dict[str, Tensor]:
+        """Derived tensors on ``device`` (cached)."""
+        if device not in self._per_device:
+            self._per_device[device] = {k: v.to(device) for k, v in self._state.items()}
+        return self._per_device[device]
+
+    def _rotation(self, device: torch.device) -> Rotation:
+        """The rotation with its tensors on ``device`` (cached with them)."""
+        if device not in self._rotations:
+            s = self._on(device)
+            kind = "hadamard" if "signs" in s else "dense" if "matrix" in s else "none"
+            self._rotations[device] = Rotation(self.dim, kind, s.get("signs"), s.get("matrix"))
+        return self._rotations[device]
+
+    @property
+    @abstractmethod
+    def code_size(self) -> int:
+        """Exact bytes per encoded vector (codes + side data)."""
+
+    @property
+    def bits_per_dim(self) -> float:
+        """Stored bits per coordinate, side data included."""
+        return 8.0 * self.code_size / self.dim
+
+    # -- public operations -------------------------------------------------------------------------
+    def encode(self, x: Any) -> Codes:
+        """Encode vectors ``x`` [..., dim] (numpy or torch; float16/bfloat16/float32/float64) -> Codes [...]."""
+        t = as_float_tensor(x, self.dim)
+        lead = t.shape[:-1]
+        t = t.reshape(-1, self.dim)
+        rows = max(1, ENCODE_BLOCK_ELEMENTS // self.dim)  # bounded temporary memory
+        parts = [self._encode(t[i : i + rows]) for i in range(0, t.shape[0], rows)]
+        return (parts[0] if len(parts) == 1 else Codes.cat(parts)).reshape(*lead)
+
+    def decode(self, codes: Codes) -> Tensor:
+        """Codes [...] -> reconstructed vectors [..., dim], float32 torch on the codes' device."""
+        self._check_codes(codes)
+        rot = self._rotation(codes.device)
+        return rot.inverse(self._decode_rotated(codes))
+
+    def score(self, q: Any, codes: Codes) -> Tensor:
+        """Inner-product estimates ``q @ decode(codes).mT``: q [..., m, dim], codes [..., n] -> [..., m, n].
+
+        Float32 torch on the codes' device. TurboQuantProd's estimate is unbiased for ``<q, x>``.
+        """
+        self._check_codes(codes)
+        qt = as_float_tensor(q, self.dim, "q").to(codes.device)
+        qr = self._rotation(codes.device).apply(qt)  # [..., m, dim] in the rotated domain
+        return qr @ self._decode_rotated(codes).mT
+
+    def _check_codes(self, codes: Codes) -> None:
+        if not isinstance(codes, Codes):
+            raise TypeError(f"codes must be a tqindex Codes object, got {type(codes).__name__}")
+        expected = self._expected_qdata_bytes()
+        if codes.qdata.shape[-1] != expected:
+            raise ValueError(
+                f"codes have {codes.qdata.shape[-1]} code bytes per vector, this encoder writes {expected}: "
+                "they come from a different encoder"
+            )
+
+    # -- subclass hooks ----------------------------------------------------------------------------
+    @abstractmethod
+    def _expected_qdata_bytes(self) -> int:
+        """Bytes of the ``qdata`` plane per vector."""
+
+    @abstractmethod
+    def _encode(self, x: Tensor) -> Codes:
+        """x [N, dim] float32 -> Codes [N]."""
+
+    @abstractmethod
+    def _decode_rotated(self, codes: Codes) -> Tensor:
+        """Codes [...] -> R x̂ [..., dim] float32 (the reconstruction in the rotated domain)."""
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))
+        return f"{type(self).__name__}({args})"
+
+
+# --------------------------------------------------------------------------------------------------
+# registry
+
+_CLASSES: dict[str, type[Encoder]] = {}
+_NAMES: dict[str, Callable[..., Encoder]] = {}
+
+
+def register_class(cls: type[Encoder]) -> type[Encoder]:
+    """Make ``cls`` loadable by :func:`encoder_from_dict`."""
+    _CLASSES[cls.__name__] = cls
+    return cls
+
+
+def register_name(name: str, factory: Callable[..., Encoder]) -> None:
+    """Make ``make_encoder(name, dim, **kw)`` call ``factory(dim=dim, **kw)``."""
+    _NAMES[name] = factory
+
+
+def encoder_names() -> list[str]:
+    """Every name :func:`make_encoder` accepts."""
+    return sorted(_NAMES)
+
+
+def make_encoder(name: str, dim: int, **overrides: Any) -> Encoder:
+    """Encoder by registry name ("tq1".."tq4", "tq8", "tq3-prod", "tq4-norm", "fp4", ...) for ``dim``."""
+    if not isinstance(name, str) or name not in _NAMES:
+        raise ValueError(f"unknown encoder name {name!r}; known names: {', '.join(encoder_names())}")
+    return _NAMES[name](dim=dim, **overrides)
+
+
+def encoder_from_dict(config: dict[str, Any], tensors: dict[str, Tensor] | None = None) -> Encoder:
+    """Rebuild an encoder from :meth:`Encoder.to_dict` output (and, optionally, stored tensors)."""
+    if not isinstance(config, dict) or config.get("type") not in _CLASSES:
+        got = config.get("type") if isinstance(config, dict) else type(config).__name__
+        raise ValueError(f"unknown encoder type {got!r}; known: {sorted(_CLASSES)}")
+    cls = _CLASSES[config["type"]]
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(config) - names - {"type"}
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} fields {sorted(unknown)}")
+    enc = cls(**{k: v for k, v in config.items() if k != "type"})
+    if tensors is not None:
+        enc.load_tensors(tensors)
+    return enc
