@@ -136,19 +136,30 @@ class Encoder(ABC):
 
     def decode(self, codes: Codes) -> Tensor:
         """Codes [...] -> reconstructed vectors [..., dim], float32 torch on the codes' device."""
+        return self._rotation(codes.device).inverse(self.decode_rotated(codes))
+
+    def decode_rotated(self, codes: Codes) -> Tensor:
+        """Codes [...] -> ``R x̂`` [..., dim] float32: the reconstruction in the rotated domain."""
         self._check_codes(codes)
-        rot = self._rotation(codes.device)
-        return rot.inverse(self._decode_rotated(codes))
+        return self._decode_rotated(codes)
+
+    def prepare_queries(self, q: Any, device: torch.device | str | None = None) -> Tensor:
+        """Validate and rotate queries: q [..., m, dim] -> ``R q`` [..., m, dim] float32 on ``device``."""
+        qt = as_float_tensor(q, self.dim, "q")
+        if device is not None:
+            qt = qt.to(device)
+        return self._rotation(qt.device).apply(qt)
+
+    def score_prepared(self, qr: Tensor, codes: Codes) -> Tensor:
+        """:meth:`score` for queries already rotated by :meth:`prepare_queries`: -> [..., m, n] float32."""
+        return qr @ self.decode_rotated(codes).mT
 
     def score(self, q: Any, codes: Codes) -> Tensor:
         """Inner-product estimates ``q @ decode(codes).mT``: q [..., m, dim], codes [..., n] -> [..., m, n].
 
         Float32 torch on the codes' device. TurboQuantProd's estimate is unbiased for ``<q, x>``.
         """
-        self._check_codes(codes)
-        qt = as_float_tensor(q, self.dim, "q").to(codes.device)
-        qr = self._rotation(codes.device).apply(qt)  # [..., m, dim] in the rotated domain
-        return qr @ self._decode_rotated(codes).mT
+        return self.score_prepared(self.prepare_queries(q, codes.device), codes)
 
     def _check_codes(self, codes: Codes) -> None:
         if not isinstance(codes, Codes):
