@@ -136,7 +136,7 @@ class Encoder(ABC):
 
     def decode(self, codes: Codes) -> Tensor:
         """Codes [...] -> reconstructed vectors [..., dim], float32 torch on the codes' device."""
-        return self._rotation(codes.device).inverse(self.decode_rotated(codes))
+        return self.rotate_back(self.decode_rotated(codes))
 
     def decode_rotated(self, codes: Codes) -> Tensor:
         """Codes [...] -> ``R x̂`` [..., dim] float32: the reconstruction in the rotated domain."""
@@ -149,6 +149,10 @@ class Encoder(ABC):
         if device is not None:
             qt = qt.to(device)
         return self._rotation(qt.device).apply(qt)
+
+    def rotate_back(self, y: Tensor) -> Tensor:
+        """``Rᵀ y`` for y [..., dim] float in the rotated domain (e.g. attention outputs summed there)."""
+        return self._rotation(y.device).inverse(y)
 
     def score_prepared(self, qr: Tensor, codes: Codes) -> Tensor:
         """:meth:`score` for queries already rotated by :meth:`prepare_queries`: -> [..., m, n] float32."""

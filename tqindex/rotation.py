@@ -88,10 +88,10 @@ class Rotation:
                 raise ValueError(f"rotation='hadamard' needs a power-of-two dim, got dim={dim}")
             signs = rng.integers(0, 2, size=dim) * 2.0 - 1.0
             return cls(dim, "hadamard", signs=torch.from_numpy(signs).float())
-        g = rng.standard_normal((dim, dim))
-        q, r = np.linalg.qr(g)
-        q = q * np.sign(np.diag(r))[None, :]  # sign fix: Haar distributed
-        return cls(dim, "dense", matrix=torch.from_numpy(q).float())
+        g = torch.from_numpy(rng.standard_normal((dim, dim)))
+        q, r = torch.linalg.qr(g)
+        q = q * torch.sign(torch.diagonal(r))[None, :]  # sign fix: Haar distributed
+        return cls(dim, "dense", matrix=q.float())
 
     def tensors(self) -> dict[str, Tensor]:
         """The tensors that define R (to store in a file)."""

@@ -14,7 +14,9 @@ from .encoder import Encoder, register_class, register_name
 from .packing import pack, packed_size, unpack
 from .rotation import ROTATION_KINDS, seeded_rng
 
-RESCALE_MODES = ("norm", "unbiased", "ls")
+RESCALE_MODES = ("norm", "unbiased", "cos")
+CODE_SEARCH_RANGE = (0.85, 1.25)
+"""Pre-scales tried by ``code_search``: codes of ``alpha · R u`` for alpha in this range."""
 NORM_DTYPES = {"float16": torch.float16, "float32": torch.float32}
 MSE_BITS = (1, 2, 3, 4, 8)
 
@@ -25,9 +27,32 @@ def _check_choice(name: str, value: object, allowed: tuple | dict) -> None:
 
 
 def _quantize_rotated(y: Tensor, centroids: Tensor, boundaries: Tensor) -> tuple[Tensor, Tensor]:
-    """Nearest codebook level of each coordinate: y [N, d] -> (idx int64 [N, d], levels float [N, d])."""
-    idx = torch.bucketize(y, boundaries)
+    """Nearest codebook level of each coordinate: y [N, d] -> (idx int32 [N, d], levels float [N, d])."""
+    idx = torch.bucketize(y, boundaries, out_int32=True)
     return idx, centroids[idx]
+
+
+def _cosine(y: Tensor, c: Tensor) -> Tensor:
+    """Row-wise <y, c> / ||c|| (y has unit rows): [N, d] x2 -> [N]."""
+    return (y * c).sum(-1) * torch.rsqrt((c * c).sum(-1))
+
+
+def _quantize_direction(
+    y: Tensor, centroids: Tensor, boundaries: Tensor, candidates: int
+) -> tuple[Tensor, Tensor]:
+    """Codes whose levels c best match the direction of y: max cos(y, c) over the nearest-level codes
+    of ``alpha · y`` for alpha = 1 and ``candidates`` values in CODE_SEARCH_RANGE (y [N, d] -> idx, c)."""
+    idx, c = _quantize_rotated(y, centroids, boundaries)
+    if candidates <= 1:
+        return idx, c
+    best_cos = _cosine(y, c)  # [N]
+    best_alpha = torch.ones_like(best_cos)
+    for alpha in torch.linspace(*CODE_SEARCH_RANGE, candidates).tolist():
+        cos = _cosine(y, centroids[torch.bucketize(y * alpha, boundaries, out_int32=True)])
+        better = cos > best_cos
+        best_cos = torch.where(better, cos, best_cos)
+        best_alpha = torch.where(better, alpha, best_alpha)
+    return _quantize_rotated(y * best_alpha[:, None], centroids, boundaries)
 
 
 def _unit_rows(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -42,20 +67,28 @@ class TurboQuantMSE(Encoder):
     """TurboQuant Q_mse: ``x̂ = s · Rᵀ c[idx]``, b bits per coordinate plus one scalar s per vector.
 
     ``rescale`` chooses s: ``"norm"`` s = ||x|| (the paper), ``"unbiased"`` s = ||x|| / <R u, c[idx]>
-    (inner products with unit u unbiased to first order, as RaBitQ/EDEN do), ``"ls"`` the least-squares
-    s = ||x|| <R u, c> / ||c||². ``norm_dtype`` is the storage type of s ("float16": 2 bytes).
+    (inner products with unit u unbiased to first order, as RaBitQ/EDEN do), ``"cos"`` s = ||x|| / ||c||
+    (the reconstruction keeps the norm of x exactly, and <q, x̂> is ||x|| ||q|| times the cosine of q and
+    the code direction). ``code_search`` > 1 (with "unbiased"/"cos") picks, among the nearest-level codes
+    of ``alpha · R u`` for that many alphas, the one whose direction is closest to ``R u``.
+    ``norm_dtype`` is the storage type of s ("float16": 2 bytes).
     """
 
     dim: int
     bits: int = 4
     seed: int = 0
-    rescale: str = "unbiased"
+    rescale: str = "cos"
+    code_search: int = 6
     norm_dtype: str = "float16"
     rotation: str = "auto"
 
     def _validate(self) -> None:
         _check_choice("bits", self.bits, MSE_BITS)
         _check_choice("rescale", self.rescale, RESCALE_MODES)
+        if not isinstance(self.code_search, int) or self.code_search < 1:
+            raise ValueError(f"code_search must be an integer >= 1, got {self.code_search!r}")
+        if self.code_search > 1 and self.rescale == "norm":
+            raise ValueError("code_search > 1 needs rescale='unbiased' or 'cos' (rescale='norm' keeps the paper's codes)")
         _check_choice("norm_dtype", self.norm_dtype, NORM_DTYPES)
         _check_choice("rotation", self.rotation, ROTATION_KINDS)
 
@@ -78,13 +111,13 @@ class TurboQuantMSE(Encoder):
         s = self._on(x.device)
         n, u = _unit_rows(x)
         y = self._rotation(x.device).apply(u)  # [N, d]
-        idx, c = _quantize_rotated(y, s["centroids"], s["boundaries"])
+        search = self.code_search if self.bits > 1 else 1  # 1-bit codes are signs: nothing to search
+        idx, c = _quantize_direction(y, s["centroids"], s["boundaries"], search)
         if self.rescale == "norm":
             scale = n
         else:
-            yc = (y * c).sum(-1)
-            ratio = 1.0 / yc if self.rescale == "unbiased" else yc / (c * c).sum(-1)
-            scale = torch.where(n > 0, n * ratio, torch.zeros_like(n))
+            inv = 1.0 / (y * c).sum(-1) if self.rescale == "unbiased" else torch.rsqrt((c * c).sum(-1))
+            scale = torch.where(n > 0, n * inv, torch.zeros_like(n))
         return Codes(qdata=pack(idx, self.bits), norm=scale.to(NORM_DTYPES[self.norm_dtype]))
 
     def _decode_rotated(self, codes: Codes) -> Tensor:
@@ -159,7 +192,8 @@ class TurboQuantProd(Encoder):
 for _b in MSE_BITS:
     register_name(f"tq{_b}", lambda dim, _b=_b, **kw: TurboQuantMSE(dim=dim, bits=_b, **kw))
     register_name(
-        f"tq{_b}-norm", lambda dim, _b=_b, **kw: TurboQuantMSE(dim=dim, bits=_b, **{"rescale": "norm", **kw})
+        f"tq{_b}-norm",
+        lambda dim, _b=_b, **kw: TurboQuantMSE(dim=dim, bits=_b, **{"rescale": "norm", "code_search": 1, **kw}),
     )
 for _b in (1, 2, 3, 4):
     register_name(f"tq{_b}-prod", lambda dim, _b=_b, **kw: TurboQuantProd(dim=dim, bits=_b, **kw))

@@ -1,0 +1,34 @@
+import pytest
+import torch
+
+from tqindex.packing import PACK_BITS, pack, packed_size, unpack
+
+
+@pytest.mark.parametrize("bits", PACK_BITS)
+@pytest.mark.parametrize("dim", [1, 3, 7, 8, 9, 50, 127, 128, 130])
+def test_round_trip_any_dim(bits, dim):
+    codes = torch.randint(0, 2**bits, (4, 3, dim), dtype=torch.uint8)
+    p = pack(codes, bits)
+    assert p.dtype == torch.uint8 and p.shape == (4, 3, packed_size(dim, bits))
+    assert torch.equal(unpack(p, bits, dim), codes)
+
+
+@pytest.mark.parametrize("bits", PACK_BITS)
+def test_layout_is_a_little_endian_bit_stream(bits):
+    dim = 13
+    codes = torch.randint(0, 2**bits, (1, dim))
+    stream = "".join(format(int(c), f"0{bits}b")[::-1] for c in codes[0])  # LSB first per code
+    stream += "0" * (8 * packed_size(dim, bits) - len(stream))
+    expect = [int(stream[8 * i : 8 * i + 8][::-1], 2) for i in range(packed_size(dim, bits))]
+    assert pack(codes, bits)[0].tolist() == expect
+
+
+def test_nibble_order():
+    assert pack(torch.tensor([[1, 2, 3]]), 4).tolist() == [[0x21, 0x03]]
+
+
+def test_bad_bits_and_sizes():
+    with pytest.raises(ValueError, match="bits"):
+        pack(torch.zeros(2, 8), 5)
+    with pytest.raises(ValueError, match="bytes"):
+        unpack(torch.zeros(2, 3, dtype=torch.uint8), 4, 8)

@@ -1,0 +1,82 @@
+import math
+
+import pytest
+import torch
+
+import tqindex as tq
+from tqindex.codebooks import lloyd_max
+
+from conftest import unit_vectors
+
+PAPER = {1: 0.3634, 2: 0.1175, 3: 0.03454, 4: 0.009497}
+
+
+@pytest.mark.parametrize("dim,n", [(128, 4000), (1536, 600)])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_qmse_distortion_matches_paper(dim, n, bits):
+    u = unit_vectors(n, dim, seed=bits)
+    enc = tq.make_encoder(f"tq{bits}-norm", dim, norm_dtype="float32")
+    mse = ((enc.decode(enc.encode(u)) - u) ** 2).sum(1).mean().item()
+    assert mse == pytest.approx(lloyd_max(dim, bits).distortion, rel=0.03)
+    assert mse == pytest.approx(PAPER[bits], rel=0.03)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_direction_search_improves_cosine(bits):
+    u = unit_vectors(2000, 64, seed=5)
+    plain = tq.make_encoder(f"tq{bits}-norm", 64)
+    best = tq.make_encoder(f"tq{bits}", 64)
+    cos = lambda e: torch.cosine_similarity(e.decode(e.encode(u)), u).mean().item()  # noqa: E731
+    assert cos(best) > cos(plain) + 1e-4
+    # "cos" rescaling keeps every norm (up to float16 storage).
+    x = torch.randn(100, 64) * 3
+    assert torch.allclose(best.decode(best.encode(x)).norm(dim=1), x.norm(dim=1), rtol=2e-3)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_qprod_unbiased_with_bounded_variance(bits):
+    dim, seeds = 128, 300
+    x = unit_vectors(1, dim, seed=11)[0]
+    q = unit_vectors(1, dim, seed=12)[0] * 2.0
+    true = float(q @ x)
+    encoders = [tq.TurboQuantProd(dim=dim, bits=bits, seed=s, norm_dtype="float32") for s in range(seeds)]
+    est = torch.tensor([e.score(q[None], e.encode(x[None])).item() for e in encoders])
+    stderr = est.std().item() / math.sqrt(seeds)
+    assert abs(est.mean().item() - true) < 4 * stderr
+    bound = math.sqrt(3) * math.pi**2 * float(q @ q) / dim * 4.0**-bits
+    assert est.var().item() <= bound
+
+
+def test_qmse_norm_mode_is_biased_and_prod_is_not():
+    # Q_mse shrinks inner products by about (1 - distortion); Q_prod corrects it on average.
+    dim = 128
+    x = unit_vectors(2000, dim, seed=1)
+    q = x + 0.1 * unit_vectors(2000, dim, seed=2)
+    true = (q * x).sum(1)
+    mse = tq.make_encoder("tq2-norm", dim)
+    prod = tq.make_encoder("tq3-prod", dim)
+    ratio_mse = (torch.diagonal(mse.score(q, mse.encode(x))) / true).mean().item()
+    ratio_prod = (torch.diagonal(prod.score(q, prod.encode(x))) / true).mean().item()
+    assert ratio_mse == pytest.approx(1 - lloyd_max(dim, 2).distortion, abs=0.02)
+    assert ratio_prod == pytest.approx(1.0, abs=0.02)
+
+
+def test_zero_vector_encodes_to_zero():
+    for name in ("tq4", "tq4-norm", "tq3-prod"):
+        enc = tq.make_encoder(name, 64)
+        assert torch.equal(enc.decode(enc.encode(torch.zeros(2, 64))), torch.zeros(2, 64))
+
+
+def test_bad_options():
+    with pytest.raises(ValueError, match="bits"):
+        tq.TurboQuantMSE(dim=64, bits=5)
+    with pytest.raises(ValueError, match="bits"):
+        tq.TurboQuantProd(dim=64, bits=0)
+    with pytest.raises(ValueError, match="rescale"):
+        tq.TurboQuantMSE(dim=64, rescale="max")
+    with pytest.raises(ValueError, match="code_search"):
+        tq.TurboQuantMSE(dim=64, rescale="norm", code_search=4)
+    with pytest.raises(ValueError, match="norm_dtype"):
+        tq.TurboQuantMSE(dim=64, norm_dtype="bfloat8")
+    with pytest.raises(ValueError, match="dim"):
+        tq.TurboQuantMSE(dim=1)
