@@ -1,0 +1,168 @@
+import importlib
+import math
+import sys
+
+import pytest
+import torch
+
+import tqindex as tq
+from tqindex.kv.store import DENSE_BYTES_PER_ELEMENT, CodesBuffer, KVStore
+
+torch.set_num_threads(1)
+B, H, D = 2, 3, 32
+
+
+def _tokens(t: int, seed: int = 0, dim: int = D) -> torch.Tensor:
+    return torch.randn(B, H, t, dim, generator=torch.Generator().manual_seed(seed))
+
+
+def _store(residual: int = 4, keys: str = "tq4", values: str = "tq4") -> KVStore:
+    return KVStore(tq.make_encoder(keys, D), tq.make_encoder(values, D), residual)
+
+
+def _filled(store: KVStore, chunks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Append chunks of the given sizes; return all keys and values appended."""
+    ks, vs = [], []
+    for i, t in enumerate(chunks):
+        k, v = _tokens(t, 2 * i), _tokens(t, 2 * i + 1)
+        store.append(k, v)
+        ks.append(k)
+        vs.append(v)
+    return torch.cat(ks, 2), torch.cat(vs, 2)
+
+
+def _expected(store: KVStore, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes of the oldest tokens decoded, the window as given."""
+    tc = store.compressed_length
+    ek = torch.cat([store.key_encoder.decode(store.key_encoder.encode(k[:, :, :tc])), k[:, :, tc:]], 2)
+    ev = torch.cat([store.value_encoder.decode(store.value_encoder.encode(v[:, :, :tc])), v[:, :, tc:]], 2)
+    return ek, ev
+
+
+def test_window_keeps_residual_plus_current_chunk():
+    store = _store(residual=4)
+    store.append(_tokens(10), _tokens(10, 1))
+    assert (store.compressed_length, store.window_length) == (0, 10)  # prefill stays full precision
+    store.append(_tokens(1, 2), _tokens(1, 3))
+    assert (store.compressed_length, store.window_length) == (6, 5)
+    store.append(_tokens(3, 4), _tokens(3, 5))
+    assert (store.compressed_length, store.window_length) == (7, 7)
+    assert store.seq_length == 14
+
+
+@pytest.mark.parametrize("keys,values", [("tq4", "tq4"), ("tq8", "tq2"), ("fp4", "tq3-prod")])
+def test_materialize_is_decoded_codes_then_window(keys, values):
+    store = _store(residual=3, keys=keys, values=values)
+    k, v = _filled(store, [7, 1, 1, 5, 1, 2])
+    mk, mv = store.materialize()
+    ek, ev = _expected(store, k, v)
+    torch.testing.assert_close(mk, ek)
+    torch.testing.assert_close(mv, ev)
+    ck, cv = store.view()
+    assert ck.shape == cv.shape == (B, H, k.shape[2], D)
+
+
+def test_amortized_appends_double_capacity():
+    store = _store(residual=0)
+    steps = 300
+    for t in range(steps):
+        store.append(_tokens(1, t), _tokens(1, t))
+    assert store.compressed_length == steps - 1
+    assert store.keys.capacity >= store.keys.length
+    assert store.keys.capacity < 2 * store.keys.length + 1
+    assert store.keys.reallocations <= math.ceil(math.log2(steps)) + 1
+    assert store.values.reallocations == store.keys.reallocations
+
+
+def test_codes_buffer_keeps_contents_across_growth():
+    enc = tq.make_encoder("tq4", D)
+    x = _tokens(40)
+    codes = enc.encode(x)
+    buf = CodesBuffer(codes, B, H)
+    for t0 in range(0, 40, 7):
+        buf.append(codes[:, :, t0 : t0 + 7])
+    assert buf.length == 40
+    assert torch.equal(buf.view().qdata, codes.qdata) and torch.equal(buf.view().norm, codes.norm)
+
+
+def test_crop_into_window_and_into_codes():
+    store = _store(residual=4)
+    k, v = _filled(store, [9, 1, 1, 1])  # 7 compressed + 5 window (4 residual + 1 current)
+    ek, ev = _expected(store, k, v)
+    store.crop(10)
+    assert (store.compressed_length, store.window_length) == (7, 3)
+    torch.testing.assert_close(store.materialize()[0], ek[:, :, :10])
+    store.crop(5)
+    assert (store.compressed_length, store.window_length) == (5, 0)
+    torch.testing.assert_close(store.materialize()[1], ev[:, :, :5])
+    store.crop(100)
+    assert store.seq_length == 5
+    k2, v2 = _tokens(2, 50), _tokens(2, 51)
+    store.append(k2, v2)  # appends continue after the cropped tokens
+    assert store.seq_length == 7
+    torch.testing.assert_close(store.materialize()[0][:, :, 5:], k2)
+
+
+def test_reorder_and_repeat_interleave_batch_rows():
+    store = _store(residual=2)
+    _filled(store, [6, 1, 1])
+    mk, mv = store.materialize()
+    bytes_before = store.nbytes()
+    store.select(torch.tensor([1, 1]))
+    k1, v1 = store.materialize()
+    torch.testing.assert_close(k1, mk[[1, 1]])
+    torch.testing.assert_close(v1, mv[[1, 1]])
+    assert store.nbytes() == bytes_before
+    store = _store(residual=2)
+    _filled(store, [6, 1, 1])
+    store.repeat_interleave(3)
+    k3, _ = store.materialize()
+    torch.testing.assert_close(k3, mk.repeat_interleave(3, dim=0))
+    store.select(torch.tensor([True, False, False, False, False, True]))
+    torch.testing.assert_close(store.materialize()[0], mk)
+
+
+def test_nbytes_counts_used_codes_and_window():
+    store = _store(residual=4, keys="tq8", values="tq4")
+    _filled(store, [20, 1])
+    kenc, venc = store.key_encoder, store.value_encoder
+    tc, w = store.compressed_length, store.window_length
+    window = 2 * B * H * w * D * 4  # float32 keys and values
+    assert store.nbytes() == B * H * tc * (kenc.code_size + venc.code_size) + window
+    assert store.nbytes_dense() == DENSE_BYTES_PER_ELEMENT * B * H * (tc + w) * 2 * D
+    assert store.keys.capacity >= tc  # unused capacity is not counted
+
+
+def test_empty_store_and_validation():
+    store = _store()
+    assert store.seq_length == 0 and store.nbytes() == 0 and store.nbytes_dense() == 0
+    store.crop(3)
+    store.select(torch.tensor([0]))
+    with pytest.raises(ValueError, match="empty"):
+        store.view()
+    with pytest.raises(ValueError, match="residual_length"):
+        KVStore(tq.make_encoder("tq4", D), tq.make_encoder("tq4", D), -1)
+    with pytest.raises(TypeError, match="key_encoder"):
+        KVStore("tq4", tq.make_encoder("tq4", D), 4)
+    with pytest.raises(ValueError, match=r"key must have shape \[B, H, T, 32\]"):
+        store.append(_tokens(2, dim=16), _tokens(2))
+    with pytest.raises(TypeError, match="value must be a floating-point"):
+        store.append(_tokens(2), torch.zeros(B, H, 2, D, dtype=torch.long))
+    store.append(_tokens(2), _tokens(2))
+    with pytest.raises(ValueError, match=r"\[B, H\]"):
+        store.append(torch.randn(1, H, 1, D), torch.randn(1, H, 1, D))
+    with pytest.raises(ValueError, match="length"):
+        store.crop(-1)
+
+
+def test_kv_package_imports_without_transformers(monkeypatch):
+    import tqindex
+
+    monkeypatch.setattr(tqindex, "kv", tqindex.kv)  # restored after the fresh import below
+    for name in [n for n in sys.modules if n.startswith("tqindex.kv")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "transformers", None)  # importing transformers now fails
+    kv = importlib.import_module("tqindex.kv")
+    assert kv.KVStore.__module__ == "tqindex.kv.store"
+    with pytest.raises(ImportError):
+        kv.TQCache

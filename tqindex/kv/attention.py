@@ -1,0 +1,184 @@
+"""Attention over compressed keys/values: ``softmax(q kᵀ · scaling + mask) v`` straight from the codes.
+
+:func:`compressed_attention` is the entry point (a fused GPU kernel plugs in here with the same
+signature); its PyTorch body walks the compressed tokens block by block with an online softmax
+(log-sum-exp merge), scores each block with the key encoder in the rotated domain
+(``<R q, R k̂> = <q, k̂>``: queries are rotated once), accumulates values in the value encoder's rotated
+domain and rotates the output back once, then adds the full-precision window. Query heads sharing a
+KV head (GQA) are grouped, never repeated. :func:`compressed_attention_ref` (decode everything, then
+:func:`dense_attention`) is the reference it is tested against.
+
+Masks follow transformers' sdpa convention: bool ``[B|1, 1|Hq, Q, T]`` with True = attend, or an additive
+float mask of that shape, or None = causal (when ``causal`` and Q > 1; queries are the last Q of the T
+positions, so query i sees keys ``j <= T - Q + i``) / no mask.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .store import CompressedTokens
+
+BLOCK_TOKENS = 1024
+"""Compressed or window tokens scored per block: bounds the temporary memory of one attention call."""
+
+
+def compressed_attention(
+    q: Tensor,
+    keys: CompressedTokens,
+    values: CompressedTokens,
+    mask: Tensor | None,
+    scaling: float,
+    *,
+    softcap: float | None = None,
+    causal: bool = True,
+    block_tokens: int = BLOCK_TOKENS,
+) -> Tensor:
+    """Attention of queries over compressed K/V.
+
+    q [B, Hq, Q, Dk] float; keys / values CompressedTokens [B, Hkv, T, Dk / Dv] with Hq a multiple of
+    Hkv (query head h reads KV head h // (Hq / Hkv)); mask as in the module docstring; ``softcap``
+    applies ``softcap · tanh(s / softcap)`` to the scaled scores. Fully masked rows give 0.
+    Returns [B, Hq, Q, Dv] in q's dtype (computed in float32).
+    """
+    b, hq, nq, _ = q.shape
+    hkv, total, tc = _check(q, keys, values)
+    if not isinstance(block_tokens, int) or block_tokens < 1:
+        raise ValueError(f"block_tokens must be an integer >= 1, got {block_tokens!r}")
+    groups = hq // hkv
+    qg = q.float().reshape(b, hkv, groups * nq, q.shape[-1])  # [B, Hkv, G*Q, Dk]
+    state = _OnlineSoftmax(qg.shape[:3], values.shape[-1], q.device)
+
+    def logits(scores: Tensor, t0: int, t1: int) -> Tensor:  # scores [B, Hkv, G*Q, n]
+        return _logits(scores, scaling, softcap, _block_bias(mask, causal, nq, total, t0, t1, q.device), groups)
+
+    qr = keys.encoder.prepare_queries(qg)  # R q, [B, Hkv, G*Q, Dk]
+    for t0 in range(0, tc, block_tokens):
+        t1 = min(t0 + block_tokens, tc)
+        scores = keys.encoder.score_prepared(qr, keys.codes[:, :, t0:t1])
+        state.add(logits(scores, t0, t1), values.encoder.decode_rotated(values.codes[:, :, t0:t1]))
+    state.acc = values.encoder.rotate_back(state.acc)  # compressed values were summed in the rotated domain
+    for w0 in range(0, total - tc, block_tokens):
+        w1 = min(w0 + block_tokens, total - tc)
+        k = keys.window[:, :, w0:w1].float()  # [B, Hkv, n, Dk]
+        state.add(logits(qg @ k.mT, tc + w0, tc + w1), values.window[:, :, w0:w1].float())
+    return state.result().reshape(b, hq, nq, -1).to(q.dtype)
+
+
+def compressed_attention_ref(
+    q: Tensor,
+    keys: CompressedTokens,
+    values: CompressedTokens,
+    mask: Tensor | None,
+    scaling: float,
+    *,
+    softcap: float | None = None,
+    causal: bool = True,
+) -> Tensor:
+    """Reference for :func:`compressed_attention`: decode all K/V, then :func:`dense_attention`."""
+    _check(q, keys, values)
+    k, v = keys.materialize(torch.float32), values.materialize(torch.float32)
+    return dense_attention(q, k, v, mask, scaling, softcap=softcap, causal=causal)
+
+
+def dense_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    scaling: float,
+    *,
+    softcap: float | None = None,
+    causal: bool = True,
+) -> Tensor:
+    """Plain attention: q [B, Hq, Q, Dk], k [B, Hkv, T, Dk], v [B, Hkv, T, Dv] -> [B, Hq, Q, Dv] in q's dtype.
+
+    Float32 math, KV heads repeated for GQA, mask as in the module docstring, optional ``softcap``;
+    fully masked rows give 0.
+    """
+    groups = q.shape[1] // k.shape[1]
+    k = k.float().repeat_interleave(groups, dim=1)
+    v = v.float().repeat_interleave(groups, dim=1)
+    s = q.float() @ k.mT * scaling  # [B, Hq, Q, T]
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    bias = _block_bias(mask, causal, q.shape[2], k.shape[2], 0, k.shape[2], q.device)
+    if bias is not None:
+        s = s + bias
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # fully masked rows: 0
+    return (p @ v).to(q.dtype)
+
+
+class _OnlineSoftmax:
+    """Running max ``m``, normalizer ``l`` and weighted value sum ``acc`` of a softmax over blocks."""
+
+    def __init__(self, rows: torch.Size, dv: int, device: torch.device) -> None:
+        self.m = torch.full((*rows, 1), -math.inf, device=device)
+        self.l = torch.zeros((*rows, 1), device=device)
+        self.acc = torch.zeros((*rows, dv), device=device)
+
+    def add(self, s: Tensor, v: Tensor) -> None:
+        """Merge one block: logits s [..., rows, n] and values v [..., n, Dv]."""
+        m = torch.maximum(self.m, s.amax(-1, keepdim=True))
+        shift = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # rows masked so far: any finite shift
+        alpha = torch.exp(self.m - shift)
+        p = torch.exp(s - shift)  # [..., rows, n]
+        self.l = self.l * alpha + p.sum(-1, keepdim=True)
+        self.acc = self.acc * alpha + p @ v
+        self.m = m
+
+    def result(self) -> Tensor:
+        """``acc / l`` [..., rows, Dv], 0 for rows with no visible key."""
+        return torch.where(self.l > 0, self.acc / self.l.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
+
+
+def _logits(scores: Tensor, scaling: float, softcap: float | None, bias: Tensor | None, groups: int) -> Tensor:
+    """Scaled, soft-capped, masked scores: [B, Hkv, G*Q, n] -> same shape."""
+    s = scores * scaling
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    if bias is None:
+        return s
+    b, hkv, gq, n = s.shape
+    s = s.view(b, hkv, groups, gq // groups, n)
+    if bias.shape[1] == 1:  # one mask for all heads: [Bm, 1, Q, n] -> [Bm, 1, 1, Q, n]
+        bias = bias[:, :, None]
+    else:  # one mask per query head
+        bias = bias.reshape(bias.shape[0], hkv, groups, *bias.shape[2:])
+    return (s + bias).view(b, hkv, gq, n)
+
+
+def _block_bias(
+    mask: Tensor | None, causal: bool, nq: int, total: int, t0: int, t1: int, device: torch.device
+) -> Tensor | None:
+    """Additive float32 bias [Bm, Hm, Q, t1 - t0] for keys t0..t1 of T = ``total`` (-inf where masked), or None."""
+    if mask is not None:
+        if mask.shape[-1] != total:
+            raise ValueError(f"mask must cover the {total} key positions, got shape {tuple(mask.shape)}")
+        block = mask[..., t0:t1].to(device)
+        if block.dtype == torch.bool:
+            return torch.zeros(block.shape, device=device).masked_fill_(~block, -math.inf)
+        return block.float()
+    if not causal or nq == 1:
+        return None
+    last = torch.arange(nq, device=device)[:, None] + (total - nq)  # last visible key of each query
+    visible = torch.arange(t0, t1, device=device)[None, :] <= last  # [Q, n]
+    return torch.zeros(visible.shape, device=device).masked_fill_(~visible, -math.inf)[None, None]
+
+
+def _check(q: Tensor, keys: CompressedTokens, values: CompressedTokens) -> tuple[int, int, int]:
+    """Validate shapes; return (KV heads, total tokens T, compressed tokens Tc)."""
+    for name, kv in (("keys", keys), ("values", values)):
+        if not isinstance(kv, CompressedTokens):
+            raise TypeError(f"{name} must be CompressedTokens, got {type(kv).__name__}")
+    if q.dim() != 4 or q.shape[-1] != keys.shape[-1]:
+        raise ValueError(f"q must have shape [B, Hq, Q, {keys.shape[-1]}], got {tuple(q.shape)}")
+    b, hkv, total, _ = keys.shape
+    if values.shape[:3] != keys.shape[:3] or values.codes.shape != keys.codes.shape:
+        raise ValueError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} hold different tokens")
+    if q.shape[0] != b or q.shape[1] % hkv:
+        raise ValueError(f"q [B, Hq] = {tuple(q.shape[:2])} must match batch {b} and a multiple of {hkv} KV heads")
+    return hkv, total, keys.codes.shape[2]
