@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tqindex.packing import PACK_BITS, pack, packed_size, unpack
+from tqindex.packing import PACK_BITS, pack, packed_size, unpack, unpack_values
 
 
 @pytest.mark.parametrize("bits", PACK_BITS)
@@ -32,3 +32,12 @@ def test_bad_bits_and_sizes():
         pack(torch.zeros(2, 8), 5)
     with pytest.raises(ValueError, match="bytes"):
         unpack(torch.zeros(2, 3, dtype=torch.uint8), 4, 8)
+
+
+@pytest.mark.parametrize("bits", PACK_BITS)
+@pytest.mark.parametrize("shape", [(5, 50), (2, 3, 130), (0, 7), (1, 1)])
+def test_unpack_values_equals_lookup_of_unpacked_codes(bits, shape):
+    levels = torch.randn(2**bits)
+    codes = torch.randint(0, 2**bits, shape, dtype=torch.uint8)
+    packed = pack(codes, bits)
+    assert torch.equal(unpack_values(packed, bits, shape[-1], levels), levels[codes.long()])

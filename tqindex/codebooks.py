@@ -113,6 +113,14 @@ def lloyd_max(dim: int, bits: int, tol: float = 1e-13) -> Codebook:
     return Codebook(dim, bits, c, edges[1:-1].copy(), distortion)
 
 
+def lookup(table: Tensor, idx: Tensor) -> Tensor:
+    """``table[idx]`` for a 1-D table and an integer index tensor of any shape (any int dtype).
+
+    Uses ``index_select``, several times faster on CPU than advanced indexing with int64 indices.
+    """
+    return table.index_select(0, idx.reshape(-1).to(torch.int32)).reshape(idx.shape)
+
+
 # --------------------------------------------------------------------------------------------------
 # FP4 E2M1 and UE8M0
 
@@ -142,7 +150,7 @@ def e2m1_encode(x: Tensor) -> Tensor:
 
 def e2m1_decode(codes: Tensor) -> Tensor:
     """FP4 E2M1 codes (uint8 in [0, 15]) -> float32 values, exactly."""
-    return E2M1_VALUES.to(codes.device)[codes.long()]
+    return lookup(E2M1_VALUES.to(codes.device), codes)
 
 
 def ue8m0_exponent(absmax: Tensor, scale_constant: float, rounding: str = "ceil") -> Tensor:

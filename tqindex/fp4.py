@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .codebooks import SCALE_ROUNDINGS, e2m1_decode, e2m1_encode, ue8m0_byte, ue8m0_exponent, ue8m0_scale
+from .codebooks import E2M1_VALUES, SCALE_ROUNDINGS, e2m1_encode, ue8m0_byte, ue8m0_exponent, ue8m0_scale
 from .codes import Codes
 from .encoder import Encoder, register_class, register_name
-from .packing import pack, packed_size, unpack
+from .packing import pack, packed_size, unpack_values
 from .rotation import ROTATION_KINDS
 
 
@@ -74,7 +74,7 @@ class FP4UE8M0(Encoder):
         return Codes(qdata=pack(codes, 4), scale=ue8m0_byte(exp))
 
     def _decode_rotated(self, codes: Codes) -> Tensor:
-        vals = self._grouped(e2m1_decode(unpack(codes.qdata, 4, self.dim)))  # [..., G, gs]
+        vals = self._grouped(unpack_values(codes.qdata, 4, self.dim, E2M1_VALUES.to(codes.device)))  # [..., G, gs]
         vals = vals * ue8m0_scale(codes.scale)[..., None]
         return vals.flatten(-2)[..., : self.dim]
 

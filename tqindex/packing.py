@@ -67,3 +67,28 @@ def unpack(packed: Tensor, bits: int, dim: int) -> Tensor:
     else:
         codes = torch.stack([(packed >> (bits * j)) & mask for j in range(8 // bits)], -1)
     return codes.flatten(-2)[..., :dim]
+
+
+def byte_table(levels: Tensor, bits: int) -> Tensor:
+    """Values of the ``8 // bits`` codes in every possible byte: levels [2^bits] -> [256, 8 // bits]."""
+    if bits not in (1, 2, 4, 8):
+        raise ValueError(f"byte tables exist for bits 1, 2, 4, 8, got {bits!r}")
+    per_byte = 8 // bits
+    all_bytes = torch.arange(256, dtype=torch.uint8, device=levels.device)[:, None]  # [256, 1]
+    codes = unpack(all_bytes, bits, per_byte)  # [256, per_byte]
+    return levels.index_select(0, codes.reshape(-1).to(torch.int32)).reshape(256, per_byte)
+
+
+def unpack_values(packed: Tensor, bits: int, dim: int, levels: Tensor) -> Tensor:
+    """``levels[unpack(packed, bits, dim)]``: packed codes straight to their float values [..., dim].
+
+    For bits 1, 2, 4, 8 every byte is looked up once in a :func:`byte_table` (no unpacking); 3-bit
+    codes are unpacked first.
+    """
+    if bits == 3:
+        codes = unpack(packed, bits, dim)
+        return levels.index_select(0, codes.reshape(-1).to(torch.int32)).reshape(codes.shape)
+    if packed.shape[-1] != packed_size(dim, bits):
+        raise ValueError(f"packed rows have {packed.shape[-1]} bytes, expected {packed_size(dim, bits)}")
+    vals = byte_table(levels, bits).index_select(0, packed.reshape(-1).to(torch.int32))  # [N·bytes, 8/b]
+    return vals.reshape(*packed.shape[:-1], packed.shape[-1] * (8 // bits))[..., :dim]

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .codebooks import lloyd_max
+from .codebooks import lloyd_max, lookup
 from .codes import Codes
 from .encoder import Encoder, register_class, register_name
-from .packing import pack, packed_size, unpack
+from .packing import pack, packed_size, unpack_values
 from .rotation import ROTATION_KINDS, seeded_rng
 
 RESCALE_MODES = ("norm", "unbiased", "cos")
@@ -19,6 +19,7 @@ CODE_SEARCH_RANGE = (0.85, 1.25)
 """Pre-scales tried by ``code_search``: codes of ``alpha · R u`` for alpha in this range."""
 NORM_DTYPES = {"float16": torch.float16, "float32": torch.float32}
 MSE_BITS = (1, 2, 3, 4, 8)
+_SIGNS = torch.tensor([-1.0, 1.0])
 
 
 def _check_choice(name: str, value: object, allowed: tuple | dict) -> None:
@@ -29,7 +30,7 @@ def _check_choice(name: str, value: object, allowed: tuple | dict) -> None:
 def _quantize_rotated(y: Tensor, centroids: Tensor, boundaries: Tensor) -> tuple[Tensor, Tensor]:
     """Nearest codebook level of each coordinate: y [N, d] -> (idx int32 [N, d], levels float [N, d])."""
     idx = torch.bucketize(y, boundaries, out_int32=True)
-    return idx, centroids[idx]
+    return idx, lookup(centroids, idx)
 
 
 def _cosine(y: Tensor, c: Tensor) -> Tensor:
@@ -48,7 +49,7 @@ def _quantize_direction(
     best_cos = _cosine(y, c)  # [N]
     best_alpha = torch.ones_like(best_cos)
     for alpha in torch.linspace(*CODE_SEARCH_RANGE, candidates).tolist():
-        cos = _cosine(y, centroids[torch.bucketize(y * alpha, boundaries, out_int32=True)])
+        cos = _cosine(y, lookup(centroids, torch.bucketize(y * alpha, boundaries, out_int32=True)))
         better = cos > best_cos
         best_cos = torch.where(better, cos, best_cos)
         best_alpha = torch.where(better, alpha, best_alpha)
@@ -122,8 +123,7 @@ class TurboQuantMSE(Encoder):
 
     def _decode_rotated(self, codes: Codes) -> Tensor:
         c = self._on(codes.device)["centroids"]
-        idx = unpack(codes.qdata, self.bits, self.dim)
-        return c[idx.long()] * codes.norm.float()[..., None]
+        return unpack_values(codes.qdata, self.bits, self.dim, c) * codes.norm.float()[..., None]
 
 
 @register_class
@@ -182,10 +182,10 @@ class TurboQuantProd(Encoder):
 
     def _decode_rotated(self, codes: Codes) -> Tensor:
         s = self._on(codes.device)
-        signs = unpack(codes.qjl, 1, self.dim).float() * 2 - 1  # [..., d] in {-1, +1}
+        signs = unpack_values(codes.qjl, 1, self.dim, _SIGNS.to(codes.device))  # [..., d] in {-1, +1}
         qjl = (signs @ s["qjl_matrix"]) * (codes.gamma.float() * math.sqrt(math.pi / 2) / self.dim)[..., None]
         if self.bits > 1:
-            qjl = qjl + s["centroids"][unpack(codes.qdata, self.bits - 1, self.dim).long()]
+            qjl = qjl + unpack_values(codes.qdata, self.bits - 1, self.dim, s["centroids"])
         return qjl * codes.norm.float()[..., None]
 
 
