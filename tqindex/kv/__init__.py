@@ -1,7 +1,8 @@
 """Compressed KV caches: tqindex encoders as storage for attention keys and values.
 
 ``store`` (storage) and ``attention`` (attention over codes) need only PyTorch; ``TQCache`` and
-``TQLayer`` (transformers integration, :mod:`tqindex.kv.hf`) import transformers on first access.
+``TQLayer`` (transformers integration, :mod:`tqindex.kv.hf`) need transformers, and importing this
+package registers the ``"tqindex"`` attention implementation with it when it is installed.
 """
 
 from typing import Any
@@ -20,12 +21,14 @@ __all__ = [
     "dense_attention",
 ]
 
-_HF_NAMES = ("TQCache", "TQLayer")
+try:  # importing hf registers the "tqindex" attention implementation with transformers
+    from .hf import TQCache, TQLayer
+except ImportError as err:  # transformers missing: storage and attention still work
+    if not (err.name or "").startswith("transformers"):
+        raise
+    _HF_ERROR = err
 
-
-def __getattr__(name: str) -> Any:
-    if name in _HF_NAMES:
-        from . import hf
-
-        return getattr(hf, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    def __getattr__(name: str) -> Any:
+        if name in ("TQCache", "TQLayer"):
+            raise ImportError(f"tqindex.kv.{name} needs transformers: pip install 'tqindex[kv]'") from _HF_ERROR
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

