@@ -52,6 +52,8 @@ from typing import Any, Callable
 import torch
 from tqdm.auto import tqdm
 
+from tqindex.kv import TQCache, TQLayer  # also registers the "tqindex" attention with transformers
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _lm  # noqa: E402
 
@@ -126,8 +128,6 @@ def cache_spec(name: str) -> CacheSpec:
         preset, res, prot = parts[0], int(parts[1][1:]), int(parts[2][1:])
 
         def make(cfg: Any) -> Any:
-            from tqindex.kv import TQCache
-
             if preset.startswith("tq"):
                 return TQCache(cfg, key_encoder=preset, value_encoder=preset,
                                residual_length=res, protected_layers=prot)
@@ -260,13 +260,13 @@ def cache_memory(cache: Any, model_config: Any) -> dict[str, Any]:
     held = dense = comp_bytes = comp_tokens = comp_layers = 0
     tokens = cache.get_seq_length()
     for layer in cache.layers:
-        store = getattr(layer, "store", None)
-        if store is not None:  # tqindex TQLayer
+        if isinstance(layer, TQLayer):
             held += layer.nbytes()
             dense += layer.nbytes_dense()
-            if store.compressed_length:
-                comp_bytes += store.keys.nbytes + store.values.nbytes
-                comp_tokens += store.compressed_length
+            codes, n = layer.nbytes_compressed()
+            if n:
+                comp_bytes += codes
+                comp_tokens += n
                 comp_layers += 1
             continue
         residual = _tensor_bytes(getattr(layer, "keys", None)) + _tensor_bytes(getattr(layer, "values", None))
@@ -348,8 +348,6 @@ def run_config(spec: CacheSpec, model: Any, tokenizer: Any, ids: torch.Tensor,
                needle_ids: torch.Tensor | None, args: argparse.Namespace) -> dict[str, Any]:
     """Perplexity, memory and needle for one configuration -> a result row (without the ratios to
     the reference)."""
-    if spec.attn_implementation == "tqindex":
-        import tqindex.kv.hf  # noqa: F401  (registers the "tqindex" attention with transformers)
     model.set_attn_implementation(spec.attn_implementation)
     t0 = time.perf_counter()
     cache = spec.make(model.config)
@@ -494,9 +492,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         specs.insert(0, cache_spec("dynamic"))
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    env = environment(args.threads)  # before the run: the sources digest is of the code that runs
-    if any(spec.family == "tqindex" for spec in specs):
-        import tqindex.kv.hf  # noqa: F401  (import now, so that the run uses one version of the code)
+    env = environment(args.threads)  # tqindex is imported already: the sources digest is of the code that runs
     model, tokenizer, model_info = _lm.load_model()
     text = _lm.reference_text()
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[:, :args.tokens]

@@ -129,6 +129,7 @@ def test_nbytes_counts_used_codes_and_window():
     tc, w = store.compressed_length, store.window_length
     window = 2 * B * H * w * D * 4  # float32 keys and values
     assert store.nbytes() == B * H * tc * (kenc.code_size + venc.code_size) + window
+    assert store.nbytes_compressed() == (B * H * tc * (kenc.code_size + venc.code_size), B * tc)
     assert store.nbytes_dense() == DENSE_BYTES_PER_ELEMENT * B * H * (tc + w) * 2 * D
     assert store.keys.capacity >= tc  # unused capacity is not counted
 
@@ -136,6 +137,7 @@ def test_nbytes_counts_used_codes_and_window():
 def test_empty_store_and_validation():
     store = _store()
     assert store.seq_length == 0 and store.nbytes() == 0 and store.nbytes_dense() == 0
+    assert store.nbytes_compressed() == (0, 0)
     store.crop(3)
     store.select(torch.tensor([0]))
     with pytest.raises(ValueError, match="empty"):

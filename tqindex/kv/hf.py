@@ -168,6 +168,10 @@ class TQLayer(CacheLayerMixin):
         """Bytes a bfloat16 ``DynamicLayer`` would hold for the same tokens."""
         return self.store.nbytes_dense()
 
+    def nbytes_compressed(self) -> tuple[int, int]:
+        """(bytes, tokens) of the codes alone (no window), tokens counted once per batch row."""
+        return self.store.nbytes_compressed()
+
 
 class TQCache(Cache):
     """transformers Cache whose full-attention layers hold keys/values as tqindex codes.
@@ -225,6 +229,15 @@ class TQCache(Cache):
     def nbytes_dense(self) -> int:
         """Bytes a bfloat16 ``DynamicCache`` would hold for the same tokens (2 bytes per element)."""
         return sum(_layer_bytes(layer)[1] for layer in self.layers)
+
+    def nbytes_compressed(self) -> tuple[int, int]:
+        """(bytes, tokens) of the compressed storage alone, summed over the compressed layers: codes of
+        keys and values with their scales/norms (no full-precision window, no protected or other dense
+        layer) and the tokens they hold, counted once per layer and batch row. ``bytes / tokens`` is the
+        compressed size of one token in one layer: ``kv_heads * (key_encoder.code_size +
+        value_encoder.code_size)``."""
+        parts = [layer.nbytes_compressed() for layer in self.layers if isinstance(layer, TQLayer)]
+        return sum(b for b, _ in parts), sum(n for _, n in parts)
 
 
 def _layer_bytes(layer: Any) -> tuple[int, int]:

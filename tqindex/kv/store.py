@@ -137,7 +137,14 @@ class KVStore:
         if self.keys is None:
             return 0
         window = sum(t.numel() * t.element_size() for t in (self._key_window, self._value_window))
-        return self.keys.nbytes + self.values.nbytes + window
+        return self.nbytes_compressed()[0] + window
+
+    def nbytes_compressed(self) -> tuple[int, int]:
+        """(bytes, tokens) of the compressed tokens alone: the valid code planes of keys and values (with
+        their scales/norms; no window) and the tokens they encode, counted once per batch row."""
+        if self.keys is None:
+            return 0, 0
+        return self.keys.nbytes + self.values.nbytes, self._key_window.shape[0] * self.compressed_length
 
     def nbytes_dense(self) -> int:
         """Bytes a bfloat16 dense cache holds for the same tokens: 2 bytes per key and value element."""
