@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -149,8 +150,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="tiny sizes, seconds-long")
     ap.add_argument("--bits", default="1,2,3,4", help="comma-separated bit widths")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", type=Path, default=RESULTS / "encoders.json")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="JSON path (default: benchmarks/results/encoders.json; with --quick a temp dir)")
     args = ap.parse_args(argv)
+    if args.out is None:
+        args.out = Path(tempfile.mkdtemp()) / "encoders.json" if args.quick else RESULTS / "encoders.json"
     torch.set_num_threads(args.threads)
     faiss.omp_set_num_threads(args.threads)
     bits_list = [int(b) for b in args.bits.split(",")]

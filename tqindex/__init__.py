@@ -3,6 +3,9 @@
 from .codes import Codes
 from .encoder import Encoder, encoder_from_dict, encoder_names, make_encoder
 from .fp4 import FP4UE8M0
+from .index import FlatIndex, index_factory
+from .io import load_index, read_header
+from .ivf import IVFIndex
 from .rotation import Rotation
 from .turboquant import TurboQuantMSE, TurboQuantProd
 
@@ -12,10 +15,15 @@ __all__ = [
     "Codes",
     "Encoder",
     "FP4UE8M0",
+    "FlatIndex",
+    "IVFIndex",
     "Rotation",
     "TurboQuantMSE",
     "TurboQuantProd",
     "encoder_from_dict",
     "encoder_names",
+    "index_factory",
+    "load_index",
     "make_encoder",
+    "read_header",
 ]

@@ -1,0 +1,31 @@
+import pytest
+import torch
+
+import tqindex as tq
+from tqindex.lut import lut_scan, lut_scores, lut_supported, lut_tables
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4])
+@pytest.mark.parametrize("dim", [33, 50, 64, 130])
+def test_lut_scores_equal_score_prepared(bits, dim):
+    g = torch.Generator().manual_seed(dim * bits)
+    enc = tq.TurboQuantMSE(dim=dim, bits=bits)
+    codes = enc.encode(torch.randn(257, dim, generator=g) * 3)
+    qr = enc.prepare_queries(torch.randn(5, dim, generator=g))
+    ref = enc.score_prepared(qr, codes)
+    torch.testing.assert_close(lut_scores(enc, qr, codes), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    sq = enc.decode_rotated(codes).square().sum(-1)  # with sqnorm: <R q, R x̂> - ||x̂||²
+    torch.testing.assert_close(lut_scan(lut_tables(enc, qr, sqnorm=True), codes, sqnorm=True), ref - sq,
+                               rtol=1e-5, atol=1e-5 * (ref - sq).abs().max().item())
+
+
+def test_lut_supported_encoders():
+    assert lut_supported(tq.make_encoder("tq4", 50)) and lut_supported(tq.make_encoder("tq1-norm", 50))
+    for name in ("tq3", "tq8", "tq4-prod", "fp4"):
+        assert not lut_supported(tq.make_encoder(name, 64))
+    enc = tq.make_encoder("tq3", 64)
+    with pytest.raises(ValueError, match="bits"):
+        lut_scores(enc, torch.zeros(1, 64), enc.encode(torch.randn(2, 64)))
+    enc4 = tq.make_encoder("tq4", 64)
+    with pytest.raises(ValueError, match="code bytes"):
+        lut_scores(enc4, torch.zeros(1, 64), tq.make_encoder("tq2", 64).encode(torch.randn(2, 64)))

@@ -1,0 +1,564 @@
+"""FlatIndex (exhaustive search over codes) and what every index shares: ids, validation, block scan,
+running top-k, re-ranking and file state.
+
+The database is held only as codes (plus int64 ids). Queries are rotated once; the codes are scanned
+in blocks: a block is decoded in the rotated domain and multiplied with all queries (one float32
+GEMM), or, for a few queries on 1/2/4-bit TurboQuantMSE codes, scored by byte lookup tables
+(``lut.py``). A running top-k is merged per block, so no [nq, ntotal] score matrix is ever built.
+
+Inside, scores are "larger is better": ``<q, x̂>`` for "ip" and "cosine", and for "l2"
+``||q||² - ||q - x̂||² = 2<q, x̂> - ||x̂||²``, with ``||x̂||²`` computed from each decoded block (no side
+array is stored); the distance is ``||q||²`` minus the score.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import faiss
+import numpy as np
+import torch
+from torch import Tensor
+from tqdm import tqdm
+
+from .codes import Codes
+from .encoder import Encoder, as_float_tensor, encoder_from_dict, make_encoder
+from .io import register_index_type, write_index_file
+from .lut import lut_scan, lut_supported, lut_tables
+
+METRICS = ("ip", "cosine", "l2")
+VECTOR_DTYPES = {"float16": torch.float16, "float32": torch.float32}
+TILE_BYTES = 8 << 20
+"""Target size of one [queries, block] float32 score tile (small enough to stay in cache)."""
+DECODE_ELEMENTS = 1 << 20
+"""At most this many coordinates (block rows x dim) are decoded at once."""
+MIN_TILE = 256
+QUERY_CHUNK = TILE_BYTES // (4 * MIN_TILE)
+"""Queries searched together; more are searched chunk by chunk (bounded memory)."""
+LUT_MAX_QUERIES = 32
+"""Up to this many queries, lookup tables replace decode-and-GEMM where the encoder allows."""
+ADD_CHUNK = 1 << 16
+PROGRESS_MIN_ADD = 1 << 20
+"""Adds of at least this many vectors show a progress bar (unless ``progress=False``)."""
+PROGRESS_MIN_SCORES = 1 << 30
+"""Searches computing at least this many vector scores show a progress bar."""
+RERANK_ELEMENTS = 1 << 24
+LIST_SHIFT = 32
+"""A label is ``list_number << LIST_SHIFT | row``: a stored vector's place while a search runs."""
+
+
+# --------------------------------------------------------------------------------------------------
+# storage
+
+
+@dataclass(frozen=True, eq=False)
+class CodeList:
+    """One growing run of codes with their ids and optional kept vectors; rows [0, size) are live.
+
+    Buffers grow by doubling. A new row is written past ``size`` and becomes live only in the
+    ``CodeList`` returned by :meth:`appended`, so a failed or interrupted add changes nothing live.
+    """
+
+    codes: Codes | None = None  # Codes [capacity]
+    ids: Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))  # int64 [capacity]
+    vectors: Tensor | None = None  # [capacity, dim] float16/32
+    size: int = 0
+
+    @property
+    def live_codes(self) -> Codes:
+        return self.codes[: self.size]
+
+    @property
+    def live_ids(self) -> Tensor:
+        return self.ids[: self.size]
+
+    @property
+    def nbytes(self) -> int:
+        vec = 0 if self.vectors is None else self.vectors.numel() * self.vectors.element_size()
+        return (0 if self.codes is None else self.codes.nbytes) + self.ids.numel() * 8 + vec
+
+    def appended(self, codes: Codes, ids: Tensor, vectors: Tensor | None) -> "CodeList":
+        """This list with rows appended (codes [m], ids int64 [m], vectors [m, dim] or None)."""
+        need = self.size + len(ids)
+        base = self
+        if self.codes is None or need > self.ids.shape[0]:
+            cap = max(need, 2 * self.ids.shape[0])
+            base = CodeList(
+                codes.empty_like(cap),
+                ids.new_empty(cap),
+                None if vectors is None else vectors.new_empty(cap, vectors.shape[1]),
+                self.size,
+            )
+            if self.size:
+                base.codes.copy_(slice(0, self.size), self.live_codes)
+                base.ids[: self.size] = self.live_ids
+                if vectors is not None:
+                    base.vectors[: self.size] = self.vectors[: self.size]
+        base.codes.copy_(slice(self.size, need), codes)
+        base.ids[self.size : need] = ids
+        if vectors is not None:
+            base.vectors[self.size : need] = vectors
+        return replace(base, size=need)
+
+    def kept(self, keep: Tensor) -> "CodeList":
+        """A compacted copy holding the live rows where ``keep`` (bool [size]) is true."""
+        vectors = None if self.vectors is None else self.vectors[: self.size][keep]
+        return CodeList(self.live_codes[keep].contiguous(), self.live_ids[keep], vectors, int(keep.sum()))
+
+
+# --------------------------------------------------------------------------------------------------
+# scan
+
+
+class TopK:
+    """Running k largest scores of ``nq`` query rows with int64 labels.
+
+    Kept as faiss min-heaps (C++, parallel over rows): each pushed block costs about one comparison
+    per score, and nothing larger than [nq, k] is held.
+    """
+
+    def __init__(self, nq: int, k: int) -> None:
+        self.values = torch.empty(nq, k)  # [nq, k] float32, heap order until result()
+        self.labels = torch.empty(nq, k, dtype=torch.int64)  # [nq, k]
+        self._heaps = faiss.float_minheap_array_t()
+        self._heaps.nh, self._heaps.k = nq, k
+        self._heaps.val = faiss.cast_integer_to_float_ptr(self.values.data_ptr())
+        self._heaps.ids = faiss.cast_integer_to_idx_t_ptr(self.labels.data_ptr())
+        self._heaps.heapify()
+
+    def push(self, scores: Tensor, labels: Tensor, rows: Tensor | None = None, offset: Tensor | None = None) -> None:
+        """Merge a block: scores [r, B] float32 for all rows (r = nq) or for rows ``rows`` (int64 [r]);
+        column j has label ``labels[j]`` (int64 [B]); ``offset`` [r] is added to every score of its row."""
+        if offset is not None:
+            scores = scores + offset[:, None]
+        scores, labels = scores.contiguous(), labels.contiguous()
+        nj, vin = scores.shape[1], faiss.cast_integer_to_float_ptr(scores.data_ptr())
+        ids = faiss.cast_integer_to_idx_t_ptr(labels.data_ptr())
+        if rows is None:
+            self._heaps.addn_with_ids(nj, vin, ids, 0)  # id stride 0: one label row for all query rows
+        else:
+            rows = rows.contiguous()
+            self._heaps.addn_query_subset_with_ids(len(rows), faiss.cast_integer_to_idx_t_ptr(rows.data_ptr()),
+                                                   nj, vin, ids, 0)
+
+    def result(self) -> tuple[Tensor, Tensor]:
+        """(values [nq, k] float32, labels [nq, k] int64), best first; -inf and -1 where nothing was found.
+        Call once, after the last push."""
+        self._heaps.reorder()
+        return self.values.masked_fill(self.labels < 0, -math.inf), self.labels
+
+
+@dataclass
+class BlockScan:
+    """Scores runs of codes against prepared queries, block by block, into a :class:`TopK`.
+
+    ``qs`` given to :meth:`run` are rotated queries ``R q`` [r, dim] ("ip"/"cosine") or ``2 R q``
+    ("l2", then a block scores ``2<q, x̂> - ||x̂||² = ||q||² - ||q - x̂||²``); per-row constants go
+    in ``offset``. Codes are decoded DECODE_ELEMENTS coordinates at a time and multiplied with the
+    queries in [r, TILE_BYTES / 4r] score tiles; few queries on TurboQuantMSE 1/2/4-bit codes use
+    lookup tables instead of decoding.
+    """
+
+    encoder: Encoder
+    l2: bool
+    top: TopK
+    bar: tqdm | None = None
+
+    def run(self, qs: Tensor, codes: Codes, label_base: int = 0, select: Tensor | None = None,
+            rows: Tensor | None = None, offset: Tensor | None = None) -> None:
+        """Scan codes [n] (only rows ``select``, int64, when given) for query rows ``rows``; the
+        label of code row i is ``label_base + i``."""
+        m, n = qs.shape[0], len(codes) if select is None else len(select)
+        tables = lut_tables(self.encoder, qs, self.l2) if m <= LUT_MAX_QUERIES and lut_supported(self.encoder) else None
+        chunk = max(1, DECODE_ELEMENTS // self.encoder.dim)
+        tile = max(MIN_TILE, TILE_BYTES // (4 * m) // 64 * 64)  # BLAS-friendly widths
+        for i in range(0, n, chunk):
+            if select is None:
+                block = codes if n <= chunk else codes[i : i + chunk]
+                labels = torch.arange(label_base + i, label_base + i + len(block))
+            else:
+                sel = select[i : i + chunk]
+                block, labels = codes[sel], sel + label_base
+            if tables is not None:
+                self.top.push(lut_scan(tables, block, self.l2), labels, rows, offset)
+            else:
+                xr = self.encoder.decode_rotated(block)  # [b, dim]
+                bias = xr.square().sum(1).neg_() if self.l2 else None  # -||x̂||²
+                for j in range(0, len(xr), tile):
+                    x = xr[j : j + tile].mT  # [dim, t]
+                    s = qs @ x if bias is None else torch.addmm(bias[j : j + tile], qs, x)
+                    self.top.push(s, labels[j : j + tile], rows, offset)
+            if self.bar is not None:
+                self.bar.update(m * len(block))
+
+
+# --------------------------------------------------------------------------------------------------
+# indexes
+
+
+class BaseIndex:
+    """Ids, validation, add / search / remove, re-ranking and file state shared by every index.
+
+    Subclasses hold ``nlists`` :class:`CodeList` runs and implement :meth:`_scan` (and, for IVF,
+    :meth:`_assign` / :meth:`_residuals`).
+    """
+
+    index_type = "BaseIndex"
+
+    def __init__(self, encoder: Encoder, metric: str, keep_vectors: bool, vectors_dtype: str,
+                 rerank_factor: int, nlists: int) -> None:
+        if not isinstance(encoder, Encoder):
+            raise TypeError(f"encoder must be a tqindex Encoder, got {type(encoder).__name__}")
+        if metric not in METRICS:
+            raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
+        if not isinstance(keep_vectors, bool):
+            raise TypeError(f"keep_vectors must be a bool, got {type(keep_vectors).__name__}")
+        if vectors_dtype not in VECTOR_DTYPES:
+            raise ValueError(f"vectors_dtype must be one of {tuple(VECTOR_DTYPES)}, got {vectors_dtype!r}")
+        if not _is_int(rerank_factor) or rerank_factor < 1:
+            raise ValueError(f"rerank_factor must be an integer >= 1, got {rerank_factor!r}")
+        self.encoder = encoder
+        self.metric = metric
+        self.keep_vectors = keep_vectors
+        self.vectors_dtype = vectors_dtype
+        self.rerank_factor = int(rerank_factor)
+        self._lists = [CodeList() for _ in range(nlists)]
+        self._next_id = 0
+
+    # -- properties ---------------------------------------------------------------------------------
+    @property
+    def dim(self) -> int:
+        return self.encoder.dim
+
+    @property
+    def ntotal(self) -> int:
+        """Number of stored vectors."""
+        return sum(c.size for c in self._lists)
+
+    def __len__(self) -> int:
+        return self.ntotal
+
+    @property
+    def ids(self) -> np.ndarray:
+        """All stored ids (int64 [ntotal], storage order; a copy)."""
+        return self._all_ids().numpy()
+
+    def memory_bytes(self) -> int:
+        """Bytes held: code, id (and kept vector) buffers as allocated + encoder tensors (+ IVF centroids).
+
+        Buffers grow by doubling; after one add into an empty index, and after :func:`load_index`,
+        they hold exactly ``ntotal`` rows: ``ntotal * (code_size + 8)`` plus fixed tensors.
+        """
+        return sum(c.nbytes for c in self._lists) + self._fixed_bytes()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.encoder!r}, metric={self.metric!r}, ntotal={self.ntotal})"
+
+    # -- add / remove -------------------------------------------------------------------------------
+    def add(self, x: Any, ids: Any = None, progress: bool | None = None) -> None:
+        """Add vectors x [n, dim] (numpy or torch float) with int64 ``ids`` [n] (default: the ids after
+        the largest one so far, i.e. ``ntotal, ntotal+1, ...`` for an index that never had ids given
+        or removed). Invalid input raises and leaves the index unchanged; so does an interrupt."""
+        xt = self._vectors_in(x, "x", allow_empty=False)
+        n = xt.shape[0]
+        new_ids = self._new_ids(ids, n)
+        assign = self._assign(xt)  # [n] int64 list numbers
+        show = _show(progress, n >= PROGRESS_MIN_ADD)
+        parts = []
+        with tqdm(total=n, unit="vec", desc="add", disable=not show) as bar:
+            for i in range(0, n, ADD_CHUNK):
+                parts.append(self.encoder.encode(self._residuals(xt[i : i + ADD_CHUNK], assign[i : i + ADD_CHUNK])))
+                bar.update(len(parts[-1]))
+        codes = parts[0] if len(parts) == 1 else Codes.cat(parts)
+        vectors = xt.to(VECTOR_DTYPES[self.vectors_dtype]) if self.keep_vectors else None
+        lists = list(self._lists)
+        order = torch.argsort(assign, stable=True)
+        counts = torch.bincount(assign, minlength=len(lists)).tolist()
+        start = 0
+        for no, count in enumerate(counts):
+            if count:
+                rows = order[start : start + count]
+                lists[no] = lists[no].appended(codes[rows], new_ids[rows], None if vectors is None else vectors[rows])
+                start += count
+        self._lists, self._next_id = lists, max(self._next_id, int(new_ids.max()) + 1)
+
+    def add_with_ids(self, x: Any, ids: Any, progress: bool | None = None) -> None:
+        """faiss-style alias of ``add(x, ids=ids)``."""
+        self.add(x, ids=ids, progress=progress)
+
+    def remove_ids(self, ids: Any) -> int:
+        """Remove the vectors with these ids (unknown ids are ignored); -> number removed."""
+        gone = torch.from_numpy(np.unique(_int_array(ids, "ids")))
+        lists, removed = list(self._lists), 0
+        for no, lst in enumerate(lists):
+            if lst.size:
+                keep = ~torch.isin(lst.live_ids, gone)
+                if not bool(keep.all()):
+                    removed += lst.size - int(keep.sum())
+                    lists[no] = lst.kept(keep)
+        self._lists = lists
+        return removed
+
+    # -- search -------------------------------------------------------------------------------------
+    def search(self, q: Any, k: int, allow: Any = None, progress: bool | None = None) -> tuple[Any, Any]:
+        """Top-k search. q [nq, dim] float (numpy -> numpy out, torch -> torch out).
+
+        Returns (D, I): D float32 [nq, k] scores ("ip": <q, x̂>, "cosine": cosine of q and x̂, "l2":
+        squared distance), I int64 [nq, k] ids, best first; ``-1`` ids and ``-inf`` (``+inf`` for
+        "l2") where fewer than k vectors exist. ``allow`` (ids, any order) restricts the search to
+        those vectors inside the scan. With ``keep_vectors`` the top ``k * rerank_factor``
+        candidates are re-ranked by exact scores of the kept vectors.
+        """
+        return self._search(q, k, allow, progress, {})
+
+    def _search(self, q: Any, k: int, allow: Any, progress: bool | None, opts: dict[str, Any]) -> tuple[Any, Any]:
+        """:meth:`search` with subclass scan options ``opts`` (passed to :meth:`_scan`, :meth:`_search_work`)."""
+        if not _is_int(k) or k <= 0:
+            raise ValueError(f"k must be a positive integer, got {k!r}")
+        k = int(k)
+        qt = self._vectors_in(q, "q", allow_empty=True)
+        allowed = None if allow is None else torch.from_numpy(np.unique(_int_array(allow, "allow")))
+        depth = k * self.rerank_factor if self.keep_vectors else k
+        D, I = torch.empty(len(qt), k), torch.empty(len(qt), k, dtype=torch.int64)
+        work = self._search_work(len(qt), **opts)
+        show = _show(progress, work >= PROGRESS_MIN_SCORES)
+        with tqdm(total=work, unit="score", unit_scale=True, desc="search",
+                  disable=not show) as bar:
+            for i in range(0, len(qt), QUERY_CHUNK):
+                chunk = qt[i : i + QUERY_CHUNK]
+                scan = BlockScan(self.encoder, self.metric == "l2", TopK(len(chunk), depth), bar if show else None)
+                self._scan(scan, chunk, allowed, **opts)
+                values, labels = scan.top.result()
+                if self.keep_vectors:
+                    values, labels = self._rerank(chunk, values, labels, k)
+                D[i : i + len(chunk)] = chunk.square().sum(1, keepdim=True) - values if scan.l2 else values
+                I[i : i + len(chunk)] = self._gather(labels, "ids")
+            bar.total = bar.n  # the work estimate is exact only without ``allow``
+        if isinstance(q, Tensor):
+            return D.to(q.device), I.to(q.device)
+        return D.numpy(), I.numpy()
+
+    def _rerank(self, qt: Tensor, values: Tensor, labels: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """Exact scores of the candidates from the kept vectors -> (values [m, k], labels [m, k]) best first."""
+        step = max(1, RERANK_ELEMENTS // (labels.shape[1] * self.dim))
+        out_v, out_l = [], []
+        for i in range(0, len(qt), step):
+            lab = labels[i : i + step]
+            vec = self._gather(lab, "vectors").float()  # [m, depth, dim]
+            q = qt[i : i + step, None, :]  # [m, 1, dim]
+            exact = (vec * (2 * q - vec) if self.metric == "l2" else vec * q).sum(-1)  # [m, depth]
+            exact.masked_fill_(lab < 0, -math.inf)
+            v, j = torch.topk(exact, min(k, exact.shape[1]), dim=1)
+            out_v.append(v)
+            out_l.append(lab.gather(1, j))
+        values, labels = torch.cat(out_v), torch.cat(out_l)
+        pad = k - values.shape[1]
+        return (torch.nn.functional.pad(values, (0, pad), value=-math.inf),
+                torch.nn.functional.pad(labels, (0, pad), value=-1))
+
+    # -- helpers ------------------------------------------------------------------------------------
+    def _vectors_in(self, x: Any, name: str, allow_empty: bool) -> Tensor:
+        """Validate [n, dim] input -> float32 CPU tensor (unit rows for "cosine")."""
+        t = as_float_tensor(x, self.dim, name, allow_empty=allow_empty)
+        if t.dim() != 2:
+            raise ValueError(f"{name} must be a 2-D array [n, {self.dim}], got shape {tuple(t.shape)}")
+        t = t.cpu()
+        if self.metric == "cosine":
+            norms = torch.linalg.vector_norm(t, dim=1, keepdim=True)
+            t = t / torch.where(norms > 0, norms, torch.ones_like(norms))
+        return t
+
+    def _new_ids(self, ids: Any, n: int) -> Tensor:
+        """Validated new ids int64 [n]: no repeats, none already stored."""
+        if ids is None:
+            return torch.arange(self._next_id, self._next_id + n, dtype=torch.int64)
+        a = _int_array(ids, "ids")
+        if a.shape != (n,):
+            raise ValueError(f"ids must be a 1-D array with one id per vector ({n}), got shape {a.shape}")
+        uniq, counts = np.unique(a, return_counts=True)
+        if len(uniq) != n:
+            raise ValueError(f"ids must be distinct; repeated: {uniq[counts > 1][:5].tolist()}")
+        t = torch.from_numpy(a)
+        if int(t.min()) < self._next_id:  # ids above every id ever added need no lookup
+            present = t[torch.isin(t, self._all_ids())]
+            if len(present):
+                raise ValueError(f"ids already in the index: {present[:5].tolist()}")
+        return t
+
+    def _all_ids(self) -> Tensor:
+        return torch.cat([c.live_ids for c in self._lists])
+
+    def _gather(self, labels: Tensor, field: str) -> Tensor:
+        """Per-label ``ids`` (int64, -1 for label -1) or kept ``vectors`` (zeros for -1): [..., (dim)]."""
+        flat = labels.reshape(-1)
+        valid = torch.nonzero(flat >= 0).squeeze(1)
+        lab = flat[valid]
+        if field == "ids":
+            out = torch.full_like(flat, -1)
+        else:
+            out = torch.zeros(len(flat), self.dim, dtype=VECTOR_DTYPES[self.vectors_dtype])
+        nos, rows = lab >> LIST_SHIFT, lab & ((1 << LIST_SHIFT) - 1)
+        if len(self._lists) == 1:
+            out[valid] = getattr(self._lists[0], field)[rows]
+        else:
+            order = torch.argsort(nos)
+            uniq, counts = torch.unique_consecutive(nos[order], return_counts=True)
+            for no, part in zip(uniq.tolist(), torch.split(order, counts.tolist())):
+                out[valid[part]] = getattr(self._lists[no], field)[rows[part]]
+        return out.reshape(*labels.shape, *out.shape[1:])
+
+    def _fixed_bytes(self) -> int:
+        """Bytes of tensors that do not grow with ntotal (encoder rotation and codebooks, ...)."""
+        return sum(t.numel() * t.element_size() for t in self.encoder.tensors().values())
+
+    # -- subclass hooks -----------------------------------------------------------------------------
+    def _assign(self, x: Tensor) -> Tensor:
+        """List number of each vector x [n, dim] -> int64 [n]."""
+        return torch.zeros(len(x), dtype=torch.int64)
+
+    def _residuals(self, x: Tensor, assign: Tensor) -> Tensor:
+        """What is encoded for vectors x [n, dim] assigned to lists ``assign`` [n]."""
+        return x
+
+    def _search_work(self, nq: int, **opts: Any) -> int:
+        """Vector scores a search of nq queries computes (decides the progress bar)."""
+        return nq * self.ntotal
+
+    def _scan(self, scan: BlockScan, q: Tensor, allowed: Tensor | None, **opts: Any) -> None:
+        """Run ``scan`` for queries q [m, dim] (allowed: sorted int64 ids or None)."""
+        raise NotImplementedError
+
+    # -- files --------------------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the index to ``path`` (HDF5, see ``tqindex.io``), atomically."""
+        header = {
+            "index_type": self.index_type,
+            "metric": self.metric,
+            "dim": self.dim,
+            "ntotal": self.ntotal,
+            "code_size": self.encoder.code_size,
+            "encoder": self.encoder.to_dict(),
+            "options": {**self._options(), "next_id": self._next_id},
+        }
+        live = [c for c in self._lists if c.size]
+        arrays = {f"encoder/{name}": t.numpy() for name, t in self.encoder.tensors().items()}
+        arrays["ids"] = self._all_ids().numpy()
+        if live:
+            codes = Codes.cat([c.live_codes for c in live])
+            arrays.update({f"codes/{name}": t.numpy() for name, t in codes.planes()})
+            if self.keep_vectors:
+                arrays["vectors"] = torch.cat([c.vectors[: c.size] for c in live]).numpy()
+        write_index_file(path, {**header, **self._header_extra()}, {**arrays, **self._arrays_extra()})
+
+    def _options(self) -> dict[str, Any]:
+        return {"keep_vectors": self.keep_vectors, "vectors_dtype": self.vectors_dtype,
+                "rerank_factor": self.rerank_factor}
+
+    def _header_extra(self) -> dict[str, Any]:
+        return {}
+
+    def _arrays_extra(self) -> dict[str, np.ndarray]:
+        return {}
+
+    def _restore(self, header: dict, arrays: dict[str, np.ndarray], offsets: list[int]) -> None:
+        """Fill the lists from file arrays; list i holds stored rows [offsets[i], offsets[i+1])."""
+        n = int(header["ntotal"])
+        ids = torch.from_numpy(arrays["ids"])
+        if ids.dtype != torch.int64 or ids.shape != (n,) or len(torch.unique(ids)) != n:
+            raise ValueError(f"ids must be {n} distinct int64 values (ntotal={n}), got {ids.dtype} {tuple(ids.shape)}")
+        if offsets[-1] != n:
+            raise ValueError(f"list offsets end at {offsets[-1]}, expected ntotal={n}")
+        planes = {name[len("codes/"):]: torch.from_numpy(a) for name, a in arrays.items() if name.startswith("codes/")}
+        vectors = torch.from_numpy(arrays["vectors"]) if self.keep_vectors and n else None
+        self._next_id = int(header["options"]["next_id"])
+        if not n:
+            return
+        codes = Codes(**planes)
+        if codes.shape != (n,) or codes.nbytes != n * self.encoder.code_size:
+            raise ValueError(f"codes of shape {tuple(codes.shape)} and {codes.nbytes} bytes do not match "
+                             f"ntotal={n} x code_size={self.encoder.code_size}")
+        if vectors is not None and (vectors.shape != (n, self.dim) or vectors.dtype != VECTOR_DTYPES[self.vectors_dtype]):
+            raise ValueError(f"kept vectors {tuple(vectors.shape)} {vectors.dtype} do not match the header")
+        # Views of the loaded arrays: each list's capacity equals its size, so an add reallocates.
+        self._lists = [
+            CodeList(codes[a:b], ids[a:b], None if vectors is None else vectors[a:b], b - a) if b > a else CodeList()
+            for a, b in zip(offsets[:-1], offsets[1:])
+        ]
+
+
+class FlatIndex(BaseIndex):
+    """Exhaustive search over codes: ``FlatIndex(TurboQuantMSE(dim=50, bits=4), metric="ip")``.
+
+    metric: "ip" (score = the encoder's inner-product estimate), "cosine" (x and q normalized
+    first) or "l2" (squared distance to the reconstruction). keep_vectors: also keep the original
+    vectors (``vectors_dtype``) and re-rank the top ``k * rerank_factor`` candidates exactly.
+    """
+
+    index_type = "FlatIndex"
+
+    def __init__(self, encoder: Encoder, metric: str = "ip", keep_vectors: bool = False,
+                 vectors_dtype: str = "float32", rerank_factor: int = 4) -> None:
+        super().__init__(encoder, metric, keep_vectors, vectors_dtype, rerank_factor, nlists=1)
+
+    def _scan(self, scan: BlockScan, q: Tensor, allowed: Tensor | None) -> None:
+        lst = self._lists[0]
+        if not lst.size:
+            return
+        qr = self.encoder.prepare_queries(q)  # [m, dim]
+        select = None if allowed is None else torch.nonzero(torch.isin(lst.live_ids, allowed)).squeeze(1)
+        scan.run(2 * qr if scan.l2 else qr, lst.live_codes, select=select)
+
+    @classmethod
+    def _from_file(cls, header: dict, arrays: dict[str, np.ndarray]) -> "FlatIndex":
+        index = cls(_encoder_from_file(header, arrays), header["metric"], **_options_in(header))
+        index._restore(header, arrays, [0, int(header["ntotal"])])
+        return index
+
+
+def index_factory(dim: int, name: str, metric: str = "ip", **options: Any) -> FlatIndex:
+    """FlatIndex over the registry encoder ``name`` ("tq4", "tq2", "tq3-prod", "fp4", ...) for ``dim``."""
+    return FlatIndex(make_encoder(name, dim), metric=metric, **options)
+
+
+def _encoder_from_file(header: dict, arrays: dict[str, np.ndarray]) -> Encoder:
+    tensors = {name[len("encoder/"):]: torch.from_numpy(a) for name, a in arrays.items() if name.startswith("encoder/")}
+    encoder = encoder_from_dict(header["encoder"], tensors)
+    if encoder.code_size != header["code_size"] or encoder.dim != header["dim"]:
+        raise ValueError(f"encoder {encoder!r} does not match the header's dim/code_size")
+    return encoder
+
+
+def _options_in(header: dict) -> dict[str, Any]:
+    """Constructor options from a file header (``next_id`` is state, not an option)."""
+    return {k: v for k, v in header["options"].items() if k != "next_id"}
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _int_array(ids: Any, name: str) -> np.ndarray:
+    """ids (numpy, torch or sequence of integers) -> 1-D int64 numpy array of non-negative ids."""
+    a = ids.detach().cpu().numpy() if isinstance(ids, Tensor) else np.asarray(ids)
+    if a.size == 0:
+        a = a.astype(np.int64)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{name} must hold integers (int64 ids), got dtype {a.dtype}")
+    if a.ndim != 1:
+        raise ValueError(f"{name} must be a 1-D array of ids, got shape {a.shape}")
+    if a.size and (int(a.min()) < 0 or int(a.max()) > np.iinfo(np.int64).max):
+        raise ValueError(f"{name} must be in [0, 2**63), got values in [{a.min()}, {a.max()}]")
+    return a.astype(np.int64)
+
+
+def _show(progress: bool | None, large: bool) -> bool:
+    """Progress bar decision: explicit ``progress`` wins, else shown for large work."""
+    if progress is not None and not isinstance(progress, bool):
+        raise TypeError(f"progress must be True, False or None, got {progress!r}")
+    return large if progress is None else progress
+
+
+register_index_type(FlatIndex.index_type, FlatIndex._from_file)
