@@ -18,7 +18,7 @@ from torch import Tensor
 from .codes import Codes
 from .rotation import Rotation
 
-ENCODE_BLOCK_ELEMENTS = 1 << 22
+ENCODE_BLOCK_ELEMENTS = 1 << 20
 """Encode works through blocks of about this many float elements."""
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

@@ -33,27 +33,28 @@ def _quantize_rotated(y: Tensor, centroids: Tensor, boundaries: Tensor) -> tuple
     return idx, lookup(centroids, idx)
 
 
-def _cosine(y: Tensor, c: Tensor) -> Tensor:
-    """Row-wise <y, c> / ||c|| (y has unit rows): [N, d] x2 -> [N]."""
-    return (y * c).sum(-1) * torch.rsqrt((c * c).sum(-1))
-
-
 def _quantize_direction(
     y: Tensor, centroids: Tensor, boundaries: Tensor, candidates: int
 ) -> tuple[Tensor, Tensor]:
     """Codes whose levels c best match the direction of y: max cos(y, c) over the nearest-level codes
-    of ``alpha · y`` for alpha = 1 and ``candidates`` values in CODE_SEARCH_RANGE (y [N, d] -> idx, c)."""
-    idx, c = _quantize_rotated(y, centroids, boundaries)
+    of ``alpha · y`` for alpha = 1 and ``candidates`` values in CODE_SEARCH_RANGE (y [N, d] -> idx, c).
+
+    One bucketize serves every alpha: the cuts ``boundaries / alpha`` split the axis into cells in
+    which each alpha's level is constant, so per-cell tables give every candidate's level at once.
+    """
     if candidates <= 1:
-        return idx, c
-    best_cos = _cosine(y, c)  # [N]
-    best_alpha = torch.ones_like(best_cos)
-    for alpha in torch.linspace(*CODE_SEARCH_RANGE, candidates).tolist():
-        cos = _cosine(y, lookup(centroids, torch.bucketize(y * alpha, boundaries, out_int32=True)))
-        better = cos > best_cos
-        best_cos = torch.where(better, cos, best_cos)
-        best_alpha = torch.where(better, alpha, best_alpha)
-    return _quantize_rotated(y * best_alpha[:, None], centroids, boundaries)
+        return _quantize_rotated(y, centroids, boundaries)
+    alphas = torch.cat([torch.ones(1), torch.linspace(*CODE_SEARCH_RANGE, candidates)]).to(y.device)  # [A]
+    cuts = torch.unique(boundaries[None, :] / alphas[:, None])  # sorted cell edges [C - 1]
+    inside = torch.cat([cuts[:1] - 1, (cuts[1:] + cuts[:-1]) / 2, cuts[-1:] + 1])  # a point per cell [C]
+    level = torch.bucketize(inside[:, None] * alphas, boundaries, out_int32=True)  # [C, A]
+    value = lookup(centroids, level)  # [C, A]
+    n, d, a = *y.shape, len(alphas)
+    cell = torch.bucketize(y, cuts, out_int32=True)  # [N, d]
+    c_all = value.index_select(0, cell.reshape(-1)).reshape(n, d, a)  # every candidate's levels
+    cos = torch.einsum("nd,nda->na", y, c_all) * c_all.square().sum(1).rsqrt()  # [N, A]
+    pick = (cell * a + cos.argmax(1, keepdim=True).to(torch.int32)).reshape(-1)  # [N·d] table entries
+    return level.reshape(-1).index_select(0, pick).reshape(n, d), value.reshape(-1).index_select(0, pick).reshape(n, d)
 
 
 def _unit_rows(x: Tensor) -> tuple[Tensor, Tensor]:
