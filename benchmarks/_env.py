@@ -1,7 +1,8 @@
-"""The environment block every benchmark JSON carries: git SHA, hardware, library versions."""
+"""The environment block every benchmark JSON carries: git state, hardware, library versions."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 import subprocess
@@ -10,19 +11,16 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-_PACKAGES = ("tqindex", "torch", "numpy", "faiss-cpu", "transformers", "triton", "turbovec", "optimum-quanto")
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("tqindex", "torch", "numpy", "faiss-cpu", "transformers", "optimum-quanto", "gguf",
+            "accelerate", "triton", "turbovec")
 
 
-def git_sha() -> str:
-    """Commit of the working tree (with '+dirty' when it has uncommitted changes), or 'unknown'."""
-    root = Path(__file__).resolve().parent.parent
+def _git(*args: str) -> str:
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, check=True).stdout.strip()
-        return sha + ("+dirty" if dirty else "")
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return ""
 
 
 def cpu_model() -> str:
@@ -37,21 +35,28 @@ def cpu_model() -> str:
 
 
 def environment(threads: int | None = None) -> dict[str, Any]:
-    """Machine-readable description of where and with what a benchmark ran."""
+    """Where and with what a benchmark ran: git SHA (+ whether the tree was dirty and a digest of the
+    tqindex sources), CPU, core count, threads used, load average at start, library versions."""
     versions = {}
-    for name in _PACKAGES:
+    for name in PACKAGES:
         try:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
-            pass
+            versions[name] = None
+    digest = hashlib.sha256()
+    for path in sorted((ROOT / "tqindex").rglob("*.py")):
+        digest.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes())
     env: dict[str, Any] = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "git_sha": git_sha(),
+        "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "git_sha": _git("rev-parse", "HEAD") or "unknown",
+        "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "tqindex_sources_sha256": digest.hexdigest(),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpu": cpu_model(),
         "nproc": os.cpu_count(),
         "threads": threads,
+        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
         "versions": versions,
     }
     try:

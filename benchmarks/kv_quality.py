@@ -36,16 +36,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import hashlib
 import json
 import math
-import os
-import platform
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Callable
 
@@ -56,6 +51,7 @@ from tqindex.kv import TQCache, TQLayer  # also registers the "tqindex" attentio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _lm  # noqa: E402
+from _env import environment  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "kv_quality_smollm2_cpu"
@@ -286,45 +282,6 @@ def cache_memory(cache: Any, model_config: Any) -> dict[str, Any]:
             "bf16_bytes_per_token_layer": bf16_per_token_layer}
 
 
-# ------------------------------------------------------------------------------ environment
-
-def environment(threads: int) -> dict[str, Any]:
-    """Git SHA, library versions, CPU, threads (and a digest of the tqindex sources, as the working
-    tree may differ from the commit)."""
-    def run(*cmd: str) -> str:
-        try:
-            return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            return ""
-
-    def ver(pkg: str) -> str | None:
-        try:
-            return version(pkg)
-        except PackageNotFoundError:
-            return None
-
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    digest = hashlib.sha256()
-    for path in sorted((ROOT / "tqindex").rglob("*.py")):
-        digest.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes())
-    return {
-        "git_sha": run("git", "rev-parse", "HEAD") or None,
-        "git_dirty": bool(run("git", "status", "--porcelain", "--", "tqindex", "benchmarks")),
-        "tqindex_sources_sha256": digest.hexdigest(),
-        "python": sys.version.split()[0], "platform": platform.platform(),
-        "cpu": cpu, "cpu_count": os.cpu_count(), "torch_threads": threads, "device": "cpu",
-        "versions": {p: ver(p) for p in ("torch", "transformers", "optimum-quanto", "gguf",
-                                          "accelerate", "tqindex", "tqdm")},
-    }
-
-
 # ------------------------------------------------------------------------------ rows and report
 
 def targets(spec: CacheSpec, ppl_pct: float, ratio: float | None, found: bool | None) -> dict[str, Any]:
@@ -406,7 +363,7 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         f"git {env['git_sha'][:12] if env['git_sha'] else '?'}{' (dirty)' if env['git_dirty'] else ''}, "
         f"torch {env['versions']['torch']}, transformers {env['versions']['transformers']}, "
-        f"{env['cpu']} ({env['torch_threads']} thread), total {result['total_time_s']:.0f} s.",
+        f"{env['cpu']} ({env['threads']} thread), total {result['total_time_s']:.0f} s.",
         "",
         "| config | PPL | ΔPPL % | needle | p(code) | B/token | ratio vs bf16 | comp. B/token/layer | comp. ratio "
         "| time s | targets |",
