@@ -28,23 +28,20 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
 import json
-import platform
 import re
-import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import faiss
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _baselines as B  # noqa: E402
+import _env  # noqa: E402
 
 import tqindex as tq  # noqa: E402
 from tqindex.data import Dataset, ground_truth, load_dataset  # noqa: E402
@@ -190,39 +187,11 @@ def prepare_data(ds: Dataset, n_base: int | None, n_queries: int | None
 
 # ------------------------------------------------------------------------------------ reports
 
-def environment() -> dict[str, Any]:
-    """Git SHA, hardware and library versions of this run."""
-    def git(*a: str) -> str:
-        try:
-            return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True,
-                                  check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            return "unknown"
-
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        import turbovec
-        turbovec_version = turbovec.__version__
-    except ImportError:
-        turbovec_version = None
-    return {
-        "git_sha": git("rev-parse", "HEAD"),
-        "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
-        "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "python": platform.python_version(), "platform": platform.platform(),
-        "numpy": np.__version__, "torch": torch.__version__, "faiss": faiss.__version__,
-        "tqindex": tq.__version__, "turbovec": turbovec_version,
-        "cpu": cpu, "nproc": os.cpu_count(),
-        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
-        "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
-    }
+def environment(threads: list[int]) -> dict[str, Any]:
+    """The shared benchmark environment block (``_env.py``) plus faiss's OpenMP wait policy."""
+    env = _env.environment(threads=max(threads))
+    env["OMP_WAIT_POLICY"] = os.environ.get("OMP_WAIT_POLICY")
+    return env
 
 
 def summarize(rows: list[dict[str, Any]], threads: list[int]) -> list[dict[str, Any]]:
@@ -252,6 +221,7 @@ def summarize(rows: list[dict[str, Any]], threads: list[int]) -> list[dict[str, 
 def markdown(result: dict[str, Any]) -> str:
     """The results as markdown: a per-method table and the per-bit-width comparison with tq{b}."""
     args, env, threads = result["args"], result["env"], result["args"]["threads"]
+    versions = env.get("versions", env)
     ks = ["1", "4", "16", "64"]
     lines = [f"# ANN benchmark: {result['dataset']['name']}", "",
              f"{result['dataset']['n_base']} base vectors, {result['dataset']['n_queries']} queries, "
@@ -261,8 +231,9 @@ def markdown(result: dict[str, Any]) -> str:
              f"for the slowest methods: see the JSON's timing_queries), best of up to "
              f"{args['repeats']} within {args['time_budget']:g} s.", "",
              f"git {env['git_sha'][:10]}{' (dirty)' if env['git_dirty'] else ''}, {env['cpu']}, "
-             f"{env['nproc']} CPUs (load {env['load_average_at_start']}), torch {env['torch']}, "
-             f"faiss {env['faiss']}, turbovec {env['turbovec']}, {env['date_utc']}.", "",
+             f"{env['nproc']} CPUs (load {env['load_average_at_start']}), torch {versions.get('torch')}, "
+             f"faiss {versions.get('faiss-cpu')}, turbovec {versions.get('turbovec')}, {env['date_utc']}.",
+             "",
              "| method | family | bits | B/vec | build s | " + " | ".join(f"R@1@{k}" for k in ks)
              + " | R@10@10 | " + " | ".join(f"QPS {t}t" for t in threads) + " |",
              "|---|---|--:|--:|--:|" + "--:|" * (len(ks) + 1 + len(threads))]
@@ -405,7 +376,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out_dir = Path(args.out) if args.out else (
         Path(tempfile.mkdtemp(prefix="tqindex-ann-")) if args.quick else RESULTS)
     out_dir.mkdir(parents=True, exist_ok=True)
-    env = environment()
+    env = environment(args.threads)
     dim = base.shape[1]
     methods = [m for b in args.bits for m in methods_for(b, dim, metric, unit_norm, args.train_rows)
                if selected(m.name, args.methods, args.skip)]

@@ -25,7 +25,9 @@ def test_ann_quick(tmp_path: Path) -> None:
     result = json.loads(files[0].read_text())
 
     assert {"benchmark", "dataset", "env", "args", "rows", "summary"} <= set(result)
-    assert {"git_sha", "python", "torch", "faiss", "tqindex", "cpu", "nproc"} <= set(result["env"])
+    env = result["env"]
+    assert {"git_sha", "git_dirty", "python", "cpu", "nproc", "versions"} <= set(env)
+    assert {"torch", "faiss-cpu", "tqindex"} <= set(env["versions"])
     assert result["args"]["quick"] is True
     rows = result["rows"]
     assert not [r for r in rows if "error" in r], [r for r in rows if "error" in r]
