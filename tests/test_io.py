@@ -4,7 +4,6 @@ import os
 import h5py
 import numpy as np
 import pytest
-import torch
 
 import tqindex as tq
 import tqindex.io as tqio

@@ -33,7 +33,7 @@ def exact_scores(metric: str, xhat: np.ndarray, q: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("metric", METRICS)
-@pytest.mark.parametrize("nq", [2, 11])
+@pytest.mark.parametrize("nq", [2, 40])  # lookup tables / decode-and-GEMM per list
 def test_all_lists_without_residual_equals_flat(metric, nq):
     x, q = data(1500, 50), data(nq, 50, 1)
     ivf = trained(metric, False, x)
@@ -47,9 +47,9 @@ def test_all_lists_without_residual_equals_flat(metric, nq):
 
 
 @pytest.mark.parametrize("metric", METRICS)
-@pytest.mark.parametrize("name", ["tq4", "tq3-prod", "fp4"])
-def test_residual_search_equals_brute_force_over_reconstructions(metric, name):
-    x, q = data(1200, 50, 2), data(9, 50, 3)
+@pytest.mark.parametrize("name, nq", [("tq4", 9), ("tq4", 40), ("tq3-prod", 9), ("fp4", 9)])
+def test_residual_search_equals_brute_force_over_reconstructions(metric, name, nq):
+    x, q = data(1200, 50, 2), data(nq, 50, 3)
     ivf = trained(metric, True, x, name)
     ivf.add(x)
     _, xhat = reconstructions(ivf, x)
@@ -58,7 +58,7 @@ def test_residual_search_equals_brute_force_over_reconstructions(metric, name):
 
 
 @pytest.mark.parametrize("metric", METRICS)
-@pytest.mark.parametrize("nq", [1, 10])
+@pytest.mark.parametrize("nq", [1, 10, 40])
 def test_nprobe_scans_the_nearest_lists(metric, nq):
     x, q = data(1200, 50, 4), data(nq, 50, 5)
     ivf = trained(metric, True, x, nprobe=3)
@@ -74,13 +74,15 @@ def test_nprobe_scans_the_nearest_lists(metric, nq):
         assert_matches(D[row : row + 1], I[row : row + 1], ref[row : row + 1, probed], np.flatnonzero(probed), 10, metric)
     D1, _ = ivf.search(q, 10, nprobe=1)
     assert ivf.nprobe == 3
-    better = (D <= D1) if metric == "l2" else (D >= D1)
+    tol = 1e-5 * np.abs(D1).max()  # the same pair may round differently in another batch of queries
+    better = (D <= D1 + tol) if metric == "l2" else (D >= D1 - tol)
     assert better[:, 0].all()  # more lists never give a worse best result
 
 
 @pytest.mark.parametrize("metric", METRICS)
-def test_ids_remove_and_filter(metric):
-    x, q = data(900, 64), data(7, 64, 1)
+@pytest.mark.parametrize("nq", [7, 40])  # few queries: probed lists scanned together; more: list by list
+def test_ids_remove_and_filter(metric, nq):
+    x, q = data(900, 64), data(nq, 64, 1)
     ivf = trained(metric, True, x)
     ids = np.arange(900) * 3 + 1
     ivf.add(x[:500], ids=ids[:500])
@@ -139,3 +141,12 @@ def test_training_and_argument_errors():
     assert snapshot(ivf, x[:3]) == before
     D, I = ivf.search(torch.from_numpy(x[:2]), 3, nprobe=100)  # nprobe > nlist scans everything
     assert isinstance(I, torch.Tensor) and I.shape == (2, 3)
+
+
+@pytest.mark.parametrize("nq", [3, 40])
+def test_empty_lists_are_skipped(nq):
+    x = data(400, 50)
+    ivf = trained("ip", False, x)
+    ivf.add(x[:5])  # most lists stay empty
+    D, I = ivf.search(data(nq, 50, 1), 8, nprobe=NLIST)
+    assert (np.sort(I[:, :5], axis=1) == np.arange(5)).all() and (I[:, 5:] == -1).all()

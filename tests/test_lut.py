@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import tqindex as tq
-from tqindex.lut import lut_scan, lut_scores, lut_supported, lut_tables
+from tqindex.lut import LookupTables, lut_scores, lut_supported
 
 
 @pytest.mark.parametrize("bits", [1, 2, 4])
@@ -15,7 +15,8 @@ def test_lut_scores_equal_score_prepared(bits, dim):
     ref = enc.score_prepared(qr, codes)
     torch.testing.assert_close(lut_scores(enc, qr, codes), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
     sq = enc.decode_rotated(codes).square().sum(-1)  # with sqnorm: <R q, R x̂> - ||x̂||²
-    torch.testing.assert_close(lut_scan(lut_tables(enc, qr, sqnorm=True), codes, sqnorm=True), ref - sq,
+    lut = LookupTables(enc)
+    torch.testing.assert_close(lut.scan(lut.tables(qr, sqnorm=True), codes, sqnorm=True), ref - sq,
                                rtol=1e-5, atol=1e-5 * (ref - sq).abs().max().item())
 
 
@@ -29,3 +30,10 @@ def test_lut_supported_encoders():
     enc4 = tq.make_encoder("tq4", 64)
     with pytest.raises(ValueError, match="code bytes"):
         lut_scores(enc4, torch.zeros(1, 64), tq.make_encoder("tq2", 64).encode(torch.randn(2, 64)))
+
+
+def test_tables_are_row_major():  # embedding_bag's fast path needs plain strides, also for one query
+    lut = LookupTables(tq.TurboQuantMSE(dim=50, bits=4))
+    for m, sqnorm in ((1, False), (1, True), (3, False)):
+        t = lut.tables(torch.randn(m, 50), sqnorm=sqnorm)
+        assert t.shape == (25 * 256, m + sqnorm) and t.stride() == (t.shape[1], 1)

@@ -7,8 +7,8 @@ GEMM), or, for a few queries on 1/2/4-bit TurboQuantMSE codes, scored by byte lo
 (``lut.py``). A running top-k is merged per block, so no [nq, ntotal] score matrix is ever built.
 
 Inside, scores are "larger is better": ``<q, x̂>`` for "ip" and "cosine", and for "l2"
-``||q||² - ||q - x̂||² = 2<q, x̂> - ||x̂||²``, with ``||x̂||²`` computed from each decoded block (no side
-array is stored); the distance is ``||q||²`` minus the score.
+``||q||² - ||q - x̂||² = 2<q, x̂> - ||x̂||²``, with ``||x̂||²`` computed from the codes of each scanned
+block (no side array is stored); the distance is ``||q||²`` minus the score.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any
 
 import faiss
@@ -27,11 +28,11 @@ from tqdm import tqdm
 from .codes import Codes
 from .encoder import Encoder, as_float_tensor, encoder_from_dict, make_encoder
 from .io import register_index_type, write_index_file
-from .lut import lut_scan, lut_supported, lut_tables
+from .lut import LookupTables, lut_supported
 
 METRICS = ("ip", "cosine", "l2")
 VECTOR_DTYPES = {"float16": torch.float16, "float32": torch.float32}
-TILE_BYTES = 8 << 20
+TILE_BYTES = 4 << 20
 """Target size of one [queries, block] float32 score tile (small enough to stay in cache)."""
 DECODE_ELEMENTS = 1 << 20
 """At most this many coordinates (block rows x dim) are decoded at once."""
@@ -67,11 +68,11 @@ class CodeList:
     vectors: Tensor | None = None  # [capacity, dim] float16/32
     size: int = 0
 
-    @property
+    @cached_property
     def live_codes(self) -> Codes:
         return self.codes[: self.size]
 
-    @property
+    @cached_property
     def live_ids(self) -> Tensor:
         return self.ids[: self.size]
 
@@ -116,18 +117,17 @@ class CodeList:
 class TopK:
     """Running k largest scores of ``nq`` query rows with int64 labels.
 
-    Kept as faiss min-heaps (C++, parallel over rows): each pushed block costs about one comparison
-    per score, and nothing larger than [nq, k] is held.
+    Kept as faiss min-heaps (C++, parallel over rows for large blocks): each pushed block costs about
+    one comparison per score, and nothing larger than [nq, k] is held.
     """
 
     def __init__(self, nq: int, k: int) -> None:
-        self.values = torch.empty(nq, k)  # [nq, k] float32, heap order until result()
-        self.labels = torch.empty(nq, k, dtype=torch.int64)  # [nq, k]
+        self.values = torch.full((nq, k), -math.inf)  # [nq, k] float32 in heap order (all equal: a valid heap)
+        self.labels = torch.full((nq, k), -1, dtype=torch.int64)  # [nq, k]
         self._heaps = faiss.float_minheap_array_t()
         self._heaps.nh, self._heaps.k = nq, k
         self._heaps.val = faiss.cast_integer_to_float_ptr(self.values.data_ptr())
         self._heaps.ids = faiss.cast_integer_to_idx_t_ptr(self.labels.data_ptr())
-        self._heaps.heapify()
 
     def push(self, scores: Tensor, labels: Tensor, rows: Tensor | None = None, offset: Tensor | None = None) -> None:
         """Merge a block: scores [r, B] float32 for all rows (r = nq) or for rows ``rows`` (int64 [r]);
@@ -145,34 +145,58 @@ class TopK:
                                                    nj, vin, ids, 0)
 
     def result(self) -> tuple[Tensor, Tensor]:
-        """(values [nq, k] float32, labels [nq, k] int64), best first; -inf and -1 where nothing was found.
-        Call once, after the last push."""
-        self._heaps.reorder()
-        return self.values.masked_fill(self.labels < 0, -math.inf), self.labels
+        """(values [nq, k] float32, labels [nq, k] int64), best first; -inf and -1 where nothing was found."""
+        values, order = torch.sort(self.values, dim=1, descending=True)
+        return values, self.labels.gather(1, order)
 
 
 @dataclass
 class BlockScan:
     """Scores runs of codes against prepared queries, block by block, into a :class:`TopK`.
 
-    ``qs`` given to :meth:`run` are rotated queries ``R q`` [r, dim] ("ip"/"cosine") or ``2 R q``
-    ("l2", then a block scores ``2<q, x̂> - ||x̂||² = ||q||² - ||q - x̂||²``); per-row constants go
-    in ``offset``. Codes are decoded DECODE_ELEMENTS coordinates at a time and multiplied with the
-    queries in [r, TILE_BYTES / 4r] score tiles; few queries on TurboQuantMSE 1/2/4-bit codes use
-    lookup tables instead of decoding.
+    ``qs`` [nq, dim] are the rotated queries ``R q`` ("ip"/"cosine") or ``2 R q`` ("l2": a code then
+    scores ``2<q, x̂> - ||x̂||² = ||q||² - ||q - x̂||²``). Codes are decoded DECODE_ELEMENTS coordinates
+    at a time and multiplied with the queries in [r, TILE_BYTES / 4r] score tiles; up to
+    LUT_MAX_QUERIES queries on TurboQuantMSE 1/2/4-bit codes are scored by lookup tables instead.
     """
 
     encoder: Encoder
     l2: bool
+    qs: Tensor
     top: TopK
+    lut: LookupTables | None = None  # the encoder's tables builder, where it has one
     bar: tqdm | None = None
 
-    def run(self, qs: Tensor, codes: Codes, label_base: int = 0, select: Tensor | None = None,
-            rows: Tensor | None = None, offset: Tensor | None = None) -> None:
-        """Scan codes [n] (only rows ``select``, int64, when given) for query rows ``rows``; the
-        label of code row i is ``label_base + i``."""
+    def __post_init__(self) -> None:
+        lut_all = self.lut is not None and self.few
+        self._all_tables = self.lut.tables(self.qs, self.l2) if lut_all else None  # serve every run of few queries
+
+    @property
+    def few(self) -> bool:
+        """At most LUT_MAX_QUERIES query rows: :meth:`all_scores` scores them all at once."""
+        return self.qs.shape[0] <= LUT_MAX_QUERIES
+
+    def all_scores(self, codes: Codes) -> Tensor:
+        """Scores [nq, n] of every query row for Codes [n] (for few queries: one [nq, n] tile)."""
+        if self._all_tables is not None:
+            return self.lut.scan(self._all_tables, codes, self.l2)
+        xr = self.encoder.decode_rotated(codes)  # [n, dim]
+        return torch.addmm(xr.square().sum(1).neg_(), self.qs, xr.mT) if self.l2 else self.qs @ xr.mT
+
+    def run(self, codes: Codes, label_base: int = 0, select: Tensor | None = None, rows: Tensor | None = None,
+            offset: Tensor | None = None, shift: Tensor | None = None) -> None:
+        """Scan codes [n] (only rows ``select``, int64, when given; code row i has label
+        ``label_base + i``) with query rows ``rows`` (int64, all when None) minus ``shift`` [dim];
+        ``offset`` [r] is added to each query row's scores."""
+        qs = self.qs if rows is None else self.qs[rows]
+        if shift is not None:
+            qs = qs - shift
         m, n = qs.shape[0], len(codes) if select is None else len(select)
-        tables = lut_tables(self.encoder, qs, self.l2) if m <= LUT_MAX_QUERIES and lut_supported(self.encoder) else None
+        tables, pick = None, None  # lookup tables, and the rows of their scores to keep
+        if self._all_tables is not None and shift is None:
+            tables, pick = self._all_tables, rows
+        elif self.lut is not None and m <= LUT_MAX_QUERIES:
+            tables = self.lut.tables(qs, self.l2)
         chunk = max(1, DECODE_ELEMENTS // self.encoder.dim)
         tile = max(MIN_TILE, TILE_BYTES // (4 * m) // 64 * 64)  # BLAS-friendly widths
         for i in range(0, n, chunk):
@@ -183,7 +207,8 @@ class BlockScan:
                 sel = select[i : i + chunk]
                 block, labels = codes[sel], sel + label_base
             if tables is not None:
-                self.top.push(lut_scan(tables, block, self.l2), labels, rows, offset)
+                s = self.lut.scan(tables, block, self.l2)  # [m or nq, b]
+                self.top.push(s if pick is None else s[pick], labels, rows, offset)
             else:
                 xr = self.encoder.decode_rotated(block)  # [b, dim]
                 bias = xr.square().sum(1).neg_() if self.l2 else None  # -||x̂||²
@@ -218,14 +243,15 @@ class BaseIndex:
             raise TypeError(f"keep_vectors must be a bool, got {type(keep_vectors).__name__}")
         if vectors_dtype not in VECTOR_DTYPES:
             raise ValueError(f"vectors_dtype must be one of {tuple(VECTOR_DTYPES)}, got {vectors_dtype!r}")
-        if not _is_int(rerank_factor) or rerank_factor < 1:
-            raise ValueError(f"rerank_factor must be an integer >= 1, got {rerank_factor!r}")
+        rerank_factor = check_int(rerank_factor, "rerank_factor", 1)
         self.encoder = encoder
         self.metric = metric
         self.keep_vectors = keep_vectors
         self.vectors_dtype = vectors_dtype
-        self.rerank_factor = int(rerank_factor)
+        self.rerank_factor = rerank_factor
         self._lists = [CodeList() for _ in range(nlists)]
+        self._lut = LookupTables(encoder) if lut_supported(encoder) else None
+        self._id_cache: tuple = (None,)
         self._next_id = 0
 
     # -- properties ---------------------------------------------------------------------------------
@@ -244,7 +270,7 @@ class BaseIndex:
     @property
     def ids(self) -> np.ndarray:
         """All stored ids (int64 [ntotal], storage order; a copy)."""
-        return self._all_ids().numpy()
+        return self._all_ids().numpy().copy()
 
     def memory_bytes(self) -> int:
         """Bytes held: code, id (and kept vector) buffers as allocated + encoder tensors (+ IVF centroids).
@@ -316,9 +342,7 @@ class BaseIndex:
 
     def _search(self, q: Any, k: int, allow: Any, progress: bool | None, opts: dict[str, Any]) -> tuple[Any, Any]:
         """:meth:`search` with subclass scan options ``opts`` (passed to :meth:`_scan`, :meth:`_search_work`)."""
-        if not _is_int(k) or k <= 0:
-            raise ValueError(f"k must be a positive integer, got {k!r}")
-        k = int(k)
+        k = check_int(k, "k", 1)
         qt = self._vectors_in(q, "q", allow_empty=True)
         allowed = None if allow is None else torch.from_numpy(np.unique(_int_array(allow, "allow")))
         depth = k * self.rerank_factor if self.keep_vectors else k
@@ -329,13 +353,16 @@ class BaseIndex:
                   disable=not show) as bar:
             for i in range(0, len(qt), QUERY_CHUNK):
                 chunk = qt[i : i + QUERY_CHUNK]
-                scan = BlockScan(self.encoder, self.metric == "l2", TopK(len(chunk), depth), bar if show else None)
+                qr = self.encoder.prepare_queries(chunk)  # [m, dim]
+                l2 = self.metric == "l2"
+                scan = BlockScan(self.encoder, l2, 2 * qr if l2 else qr, TopK(len(chunk), depth), self._lut,
+                                 bar if show else None)
                 self._scan(scan, chunk, allowed, **opts)
                 values, labels = scan.top.result()
                 if self.keep_vectors:
                     values, labels = self._rerank(chunk, values, labels, k)
                 D[i : i + len(chunk)] = chunk.square().sum(1, keepdim=True) - values if scan.l2 else values
-                I[i : i + len(chunk)] = self._gather(labels, "ids")
+                I[i : i + len(chunk)] = self._ids_of(labels)
             bar.total = bar.n  # the work estimate is exact only without ``allow``
         if isinstance(q, Tensor):
             return D.to(q.device), I.to(q.device)
@@ -347,7 +374,7 @@ class BaseIndex:
         out_v, out_l = [], []
         for i in range(0, len(qt), step):
             lab = labels[i : i + step]
-            vec = self._gather(lab, "vectors").float()  # [m, depth, dim]
+            vec = self._vectors_of(lab).float()  # [m, depth, dim]
             q = qt[i : i + step, None, :]  # [m, 1, dim]
             exact = (vec * (2 * q - vec) if self.metric == "l2" else vec * q).sum(-1)  # [m, depth]
             exact.masked_fill_(lab < 0, -math.inf)
@@ -389,26 +416,39 @@ class BaseIndex:
         return t
 
     def _all_ids(self) -> Tensor:
-        return torch.cat([c.live_ids for c in self._lists])
+        """Every stored id, list after list: int64 [ntotal]."""
+        return self._id_table()[0]
 
-    def _gather(self, labels: Tensor, field: str) -> Tensor:
-        """Per-label ``ids`` (int64, -1 for label -1) or kept ``vectors`` (zeros for -1): [..., (dim)]."""
+    def _id_table(self) -> tuple[Tensor, Tensor]:
+        """(all ids list after list int64 [ntotal], start of each list int64 [nlists]), rebuilt when the
+        lists change (add and remove replace ``_lists``)."""
+        if self._id_cache[0] is not self._lists:
+            sizes = torch.tensor([c.size for c in self._lists])
+            self._id_cache = (self._lists, torch.cat([c.live_ids for c in self._lists]), sizes.cumsum(0) - sizes)
+        return self._id_cache[1], self._id_cache[2]
+
+    def _ids_of(self, labels: Tensor) -> Tensor:
+        """Ids of labels (any shape; -1 stays -1)."""
+        ids, starts = self._id_table()
+        valid = labels >= 0
+        if not bool(valid.any()):
+            return torch.full_like(labels, -1)
+        lab = torch.where(valid, labels, 0)
+        pos = torch.where(valid, starts[lab >> LIST_SHIFT] + (lab & ((1 << LIST_SHIFT) - 1)), 0)
+        return torch.where(valid, ids[pos], -1)
+
+    def _vectors_of(self, labels: Tensor) -> Tensor:
+        """Kept vectors of labels [m, depth] -> [m, depth, dim] (zeros for label -1)."""
         flat = labels.reshape(-1)
         valid = torch.nonzero(flat >= 0).squeeze(1)
         lab = flat[valid]
-        if field == "ids":
-            out = torch.full_like(flat, -1)
-        else:
-            out = torch.zeros(len(flat), self.dim, dtype=VECTOR_DTYPES[self.vectors_dtype])
+        out = torch.zeros(len(flat), self.dim, dtype=VECTOR_DTYPES[self.vectors_dtype])
         nos, rows = lab >> LIST_SHIFT, lab & ((1 << LIST_SHIFT) - 1)
-        if len(self._lists) == 1:
-            out[valid] = getattr(self._lists[0], field)[rows]
-        else:
-            order = torch.argsort(nos)
-            uniq, counts = torch.unique_consecutive(nos[order], return_counts=True)
-            for no, part in zip(uniq.tolist(), torch.split(order, counts.tolist())):
-                out[valid[part]] = getattr(self._lists[no], field)[rows[part]]
-        return out.reshape(*labels.shape, *out.shape[1:])
+        order = torch.argsort(nos)
+        uniq, counts = torch.unique_consecutive(nos[order], return_counts=True)
+        for no, part in zip(uniq.tolist(), torch.split(order, counts.tolist())):
+            out[valid[part]] = self._lists[no].vectors[rows[part]]
+        return out.reshape(*labels.shape, self.dim)
 
     def _fixed_bytes(self) -> int:
         """Bytes of tensors that do not grow with ntotal (encoder rotation and codebooks, ...)."""
@@ -428,7 +468,7 @@ class BaseIndex:
         return nq * self.ntotal
 
     def _scan(self, scan: BlockScan, q: Tensor, allowed: Tensor | None, **opts: Any) -> None:
-        """Run ``scan`` for queries q [m, dim] (allowed: sorted int64 ids or None)."""
+        """Run ``scan`` (prepared from queries q [m, dim]) over the lists; allowed: sorted int64 ids or None."""
         raise NotImplementedError
 
     # -- files --------------------------------------------------------------------------------------
@@ -462,6 +502,19 @@ class BaseIndex:
 
     def _arrays_extra(self) -> dict[str, np.ndarray]:
         return {}
+
+    @staticmethod
+    def _encoder_from_file(header: dict, arrays: dict[str, np.ndarray]) -> Encoder:
+        tensors = {n[len("encoder/"):]: torch.from_numpy(a) for n, a in arrays.items() if n.startswith("encoder/")}
+        encoder = encoder_from_dict(header["encoder"], tensors)
+        if encoder.code_size != header["code_size"] or encoder.dim != header["dim"]:
+            raise ValueError(f"encoder {encoder!r} does not match the header's dim/code_size")
+        return encoder
+
+    @staticmethod
+    def _options_from_file(header: dict) -> dict[str, Any]:
+        """Constructor options from a file header (``next_id`` is state, not an option)."""
+        return {k: v for k, v in header["options"].items() if k != "next_id"}
 
     def _restore(self, header: dict, arrays: dict[str, np.ndarray], offsets: list[int]) -> None:
         """Fill the lists from file arrays; list i holds stored rows [offsets[i], offsets[i+1])."""
@@ -505,15 +558,13 @@ class FlatIndex(BaseIndex):
 
     def _scan(self, scan: BlockScan, q: Tensor, allowed: Tensor | None) -> None:
         lst = self._lists[0]
-        if not lst.size:
-            return
-        qr = self.encoder.prepare_queries(q)  # [m, dim]
-        select = None if allowed is None else torch.nonzero(torch.isin(lst.live_ids, allowed)).squeeze(1)
-        scan.run(2 * qr if scan.l2 else qr, lst.live_codes, select=select)
+        if lst.size:
+            select = None if allowed is None else torch.nonzero(torch.isin(lst.live_ids, allowed)).squeeze(1)
+            scan.run(lst.live_codes, select=select)
 
     @classmethod
     def _from_file(cls, header: dict, arrays: dict[str, np.ndarray]) -> "FlatIndex":
-        index = cls(_encoder_from_file(header, arrays), header["metric"], **_options_in(header))
+        index = cls(cls._encoder_from_file(header, arrays), header["metric"], **cls._options_from_file(header))
         index._restore(header, arrays, [0, int(header["ntotal"])])
         return index
 
@@ -523,21 +574,11 @@ def index_factory(dim: int, name: str, metric: str = "ip", **options: Any) -> Fl
     return FlatIndex(make_encoder(name, dim), metric=metric, **options)
 
 
-def _encoder_from_file(header: dict, arrays: dict[str, np.ndarray]) -> Encoder:
-    tensors = {name[len("encoder/"):]: torch.from_numpy(a) for name, a in arrays.items() if name.startswith("encoder/")}
-    encoder = encoder_from_dict(header["encoder"], tensors)
-    if encoder.code_size != header["code_size"] or encoder.dim != header["dim"]:
-        raise ValueError(f"encoder {encoder!r} does not match the header's dim/code_size")
-    return encoder
-
-
-def _options_in(header: dict) -> dict[str, Any]:
-    """Constructor options from a file header (``next_id`` is state, not an option)."""
-    return {k: v for k, v in header["options"].items() if k != "next_id"}
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+def check_int(value: Any, name: str, minimum: int) -> int:
+    """``value`` (int or numpy integer, not bool) as an int >= ``minimum``; ValueError naming ``name`` otherwise."""
+    if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
 
 
 def _int_array(ids: Any, name: str) -> np.ndarray:

@@ -88,7 +88,7 @@ def load_index(path: str | os.PathLike) -> Any:
         raise ValueError(f"{path}: unknown index_type {kind!r}; known: {sorted(_INDEX_TYPES)}")
     try:
         return _INDEX_TYPES[kind](header, arrays)
-    except (KeyError, TypeError, AssertionError, RuntimeError) as e:
+    except (KeyError, IndexError, TypeError, RuntimeError) as e:
         raise ValueError(f"{path}: inconsistent index file ({type(e).__name__}: {e})") from None
 
 

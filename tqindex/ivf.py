@@ -5,10 +5,16 @@ and x̂ = c_l + r̂, so ``<q, x̂> = <q, c_l> + <q, r̂>`` and
 ``||q - x̂||² = ||q - c_l||² - 2<q - c_l, r̂> + ||r̂||²``: the coarse search gives the first term,
 the list scan (the same block scan as FlatIndex) the rest. With ``by_residual=False`` x itself is
 encoded and lists are scanned as in FlatIndex.
+
+Many queries are scanned list by list, each list with the queries that probe it. Few queries (at most
+``LUT_MAX_QUERIES``) are scanned over the union of their probed lists at once, in blocks, with the
+(query, list) pairs that were not probed masked out: far fewer, larger steps for latency-bound search.
 """
 
 from __future__ import annotations
 
+import math
+from itertools import repeat
 from typing import Any
 
 import faiss
@@ -16,8 +22,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .codes import Codes
 from .encoder import Encoder
-from .index import LIST_SHIFT, BaseIndex, BlockScan, _encoder_from_file, _is_int, _options_in
+from .index import DECODE_ELEMENTS, LIST_SHIFT, TILE_BYTES, BaseIndex, BlockScan, check_int
 from .io import register_index_type
 
 
@@ -40,20 +47,16 @@ class IVFIndex(BaseIndex):
     def __init__(self, encoder: Encoder, nlist: int, metric: str = "ip", by_residual: bool = False,
                  nprobe: int = 8, seed: int = 0, niter: int = 20, keep_vectors: bool = False,
                  vectors_dtype: str = "float32", rerank_factor: int = 4) -> None:
-        if not _is_int(nlist) or nlist < 1:
-            raise ValueError(f"nlist must be an integer >= 1, got {nlist!r}")
+        nlist = check_int(nlist, "nlist", 1)
         if not isinstance(by_residual, bool):
             raise TypeError(f"by_residual must be a bool, got {type(by_residual).__name__}")
-        if not _is_int(niter) or niter < 1:
-            raise ValueError(f"niter must be an integer >= 1, got {niter!r}")
-        if not _is_int(seed):
-            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
-        super().__init__(encoder, metric, keep_vectors, vectors_dtype, rerank_factor, nlists=int(nlist))
-        self.nlist, self.by_residual, self.seed, self.niter = int(nlist), by_residual, int(seed), int(niter)
+        super().__init__(encoder, metric, keep_vectors, vectors_dtype, rerank_factor, nlists=nlist)
+        self.nlist, self.by_residual = nlist, by_residual
+        self.seed, self.niter = check_int(seed, "seed", 0), check_int(niter, "niter", 1)
         self.nprobe = nprobe
         self.centroids: Tensor | None = None  # [nlist, dim] float32
         self._centroids_rot: Tensor | None = None  # R c, [nlist, dim]
-        self._quantizer: faiss.Index | None = None
+        self._centroid_norms2: Tensor | None = None  # ||c||², [nlist]
 
     @property
     def nprobe(self) -> int:
@@ -62,9 +65,7 @@ class IVFIndex(BaseIndex):
 
     @nprobe.setter
     def nprobe(self, value: int) -> None:
-        if not _is_int(value) or value < 1:
-            raise ValueError(f"nprobe must be an integer >= 1, got {value!r}")
-        self._nprobe = int(value)
+        self._nprobe = check_int(value, "nprobe", 1)
 
     @property
     def is_trained(self) -> bool:
@@ -88,11 +89,8 @@ class IVFIndex(BaseIndex):
                nprobe: int | None = None) -> tuple[Any, Any]:
         """:meth:`FlatIndex.search <tqindex.index.BaseIndex.search>` over the ``nprobe`` nearest lists
         (default: the ``nprobe`` attribute)."""
-        if nprobe is None:
-            nprobe = self.nprobe
-        elif not _is_int(nprobe) or nprobe < 1:
-            raise ValueError(f"nprobe must be an integer >= 1, got {nprobe!r}")
-        return self._search(q, k, allow, progress, {"nprobe": min(int(nprobe), self.nlist)})
+        nprobe = self.nprobe if nprobe is None else check_int(nprobe, "nprobe", 1)
+        return self._search(q, k, allow, progress, {"nprobe": min(nprobe, self.nlist)})
 
     def list_sizes(self) -> np.ndarray:
         """Vectors per list, int64 [nlist]."""
@@ -103,17 +101,27 @@ class IVFIndex(BaseIndex):
         if tuple(centroids.shape) != (self.nlist, self.dim) or centroids.dtype != torch.float32:
             raise ValueError(f"centroids must be float32 [{self.nlist}, {self.dim}], "
                              f"got {centroids.dtype} {tuple(centroids.shape)}")
-        quantizer = faiss.IndexFlatL2(self.dim) if self.metric == "l2" else faiss.IndexFlatIP(self.dim)
-        quantizer.add(np.ascontiguousarray(centroids.numpy()))
-        self.centroids, self._quantizer = centroids, quantizer
+        self.centroids = centroids
         self._centroids_rot = self.encoder.prepare_queries(centroids)
+        self._centroid_norms2 = centroids.square().sum(1)
 
     def _coarse(self, x: Tensor, nprobe: int) -> tuple[Tensor, Tensor]:
-        """(coarse scores float32 [n, nprobe]: <x, c> or ||x - c||², list numbers int64 [n, nprobe])."""
-        if self._quantizer is None:
+        """The ``nprobe`` lists nearest to each of x [n, dim], nearest first: (coarse scores float32
+        [n, nprobe]: <x, c>, or ||x - c||² for "l2"; list numbers int64 [n, nprobe])."""
+        if self.centroids is None:
             raise ValueError("IVFIndex must be trained (index.train(x)) before add or search")
-        dist, lists = self._quantizer.search(np.ascontiguousarray(x.numpy()), nprobe)
-        return torch.from_numpy(dist), torch.from_numpy(lists)
+        step = max(1, TILE_BYTES // (4 * self.nlist))
+        scores, lists = [], []
+        for i in range(0, len(x), step):
+            xb = x[i : i + step]
+            if self.metric == "l2":  # 2<x, c> - ||c||² = ||x||² - ||x - c||²
+                s = torch.addmm(self._centroid_norms2, xb, self.centroids.T, beta=-1, alpha=2)
+            else:
+                s = xb @ self.centroids.T  # [b, nlist]
+            v, j = torch.topk(s, nprobe, dim=1)
+            scores.append(xb.square().sum(1, keepdim=True) - v if self.metric == "l2" else v)
+            lists.append(j)
+        return torch.cat(scores), torch.cat(lists)
 
     def _assign(self, x: Tensor) -> Tensor:
         return self._coarse(x, 1)[1][:, 0]
@@ -125,32 +133,67 @@ class IVFIndex(BaseIndex):
         return nq * self.ntotal * nprobe // self.nlist
 
     def _scan(self, scan: BlockScan, q: Tensor, allowed: Tensor | None, nprobe: int) -> None:
-        if not self.ntotal:
+        if not self.is_trained:
             return
         coarse, lists = self._coarse(q, nprobe)  # [m, nprobe]
-        qr = self.encoder.prepare_queries(q)  # [m, dim]
-        qn2 = q.square().sum(1)  # [m]
-        coarse, lists = coarse.reshape(-1), lists.reshape(-1)
-        order = torch.argsort(lists, stable=True)  # (query, list) pairs grouped by list
-        nos, counts = torch.unique_consecutive(lists[order], return_counts=True)
-        for no, pairs in zip(nos.tolist(), torch.split(order, counts.tolist())):
+        if scan.few and not (self.by_residual and scan.l2):
+            self._scan_together(scan, coarse, lists, allowed)
+            return
+        order = torch.argsort(lists.reshape(-1), stable=True)  # (query, list) pairs grouped by list
+        nos, counts = torch.unique_consecutive(lists.reshape(-1)[order], return_counts=True)
+        rows, split = order // nprobe, counts.tolist()
+        offsets = repeat(None)
+        if self.by_residual:  # <q, x̂> = <q, c> + <q, r̂>;  "l2": ||q||² - ||q - x̂||² = ||q||² - ||q - c||² + ...
+            coarse = coarse.reshape(-1)[order]  # <q, c>, or ||q - c||² for "l2"
+            offsets = (q.square().sum(1)[rows] - coarse if scan.l2 else coarse).split(split)
+        for no, list_rows, offset in zip(nos.tolist(), rows.split(split), offsets):
             lst = self._lists[no]
-            if not lst.size:
-                continue
-            rows = pairs // nprobe
-            select = None if allowed is None else torch.nonzero(torch.isin(lst.live_ids, allowed)).squeeze(1)
-            qs, offset = qr[rows], None
-            if self.by_residual and scan.l2:  # ||q||² - ||q - x̂||² = ||q||² - ||q - c||² + 2<q - c, r̂> - ||r̂||²
-                qs, offset = 2 * (qs - self._centroids_rot[no]), qn2[rows] - coarse[pairs]
-            elif self.by_residual:  # <q, x̂> = <q, c> + <q, r̂>
-                offset = coarse[pairs]
-            elif scan.l2:  # 2<q, x̂> - ||x̂||²
-                qs = 2 * qs
-            scan.run(qs, lst.live_codes, no << LIST_SHIFT, select, rows, offset)
+            if lst.size:
+                select = None if allowed is None else torch.nonzero(torch.isin(lst.live_ids, allowed)).squeeze(1)
+                shift = 2 * self._centroids_rot[no] if self.by_residual and scan.l2 else None  # ... + 2<q - c, r̂> - ||r̂||²
+                scan.run(lst.live_codes, no << LIST_SHIFT, select, list_rows, offset, shift)
+
+    def _scan_together(self, scan: BlockScan, coarse: Tensor, lists: Tensor, allowed: Tensor | None) -> None:
+        """Few queries: the probed lists are scanned together, DECODE_ELEMENTS coordinates at a time, for
+        all query rows; a (query, list) pair that was not probed gets -inf (not in the results)."""
+        probed = torch.unique(lists)  # sorted list numbers
+        add = torch.full((len(lists), len(probed)), -math.inf)  # [m, probed]: score offset per (query, list)
+        add.scatter_(1, torch.searchsorted(probed, lists), coarse if self.by_residual else torch.zeros_like(coarse))
+        chunk, group, total = max(1, DECODE_ELEMENTS // self.dim), [], 0
+        for j, no in enumerate(probed.tolist()):
+            lst = self._lists[no]
+            if lst.size:
+                if allowed is None:
+                    group.append((j, no, lst.size, None, lst.live_codes))
+                else:
+                    rows = torch.nonzero(torch.isin(lst.live_ids, allowed))[:, 0]
+                    group.append((j, no, len(rows), rows, lst.live_codes[rows]))
+                total += group[-1][2]
+            if group and (total >= chunk or j == len(probed) - 1):
+                self._push_together(scan, add, group)
+                group, total = [], 0
+
+    @staticmethod
+    def _push_together(scan: BlockScan, add: Tensor, group: list[tuple]) -> None:
+        """Score the codes of ``group`` [(probed index, list number, count, selected rows or None, codes)]
+        in one block."""
+        js, nos, counts, selected, codes = zip(*group)
+        sizes = torch.tensor(counts)
+        if sum(counts) == 0:
+            return
+        cols = torch.repeat_interleave(torch.tensor(js), sizes)  # probed index per code
+        if selected[0] is None:  # every row of each list: row = position - start of its list
+            rows = torch.arange(sum(counts)) - torch.repeat_interleave(sizes.cumsum(0) - sizes, sizes)
+        else:
+            rows = torch.cat(selected)
+        labels = torch.repeat_interleave(torch.tensor(nos) << LIST_SHIFT, sizes) + rows
+        scan.top.push(scan.all_scores(Codes.cat(codes)) + add[:, cols], labels)
+        if scan.bar is not None:
+            scan.bar.update(len(add) * sum(counts))
 
     def _fixed_bytes(self) -> int:
-        """Encoder tensors + centroids, rotated centroids and the faiss quantizer's copy."""
-        return super()._fixed_bytes() + (0 if self.centroids is None else 3 * self.nlist * self.dim * 4)
+        """Encoder tensors + centroids, rotated centroids and their norms."""
+        return super()._fixed_bytes() + (0 if self.centroids is None else (2 * self.dim + 1) * self.nlist * 4)
 
     # -- files --------------------------------------------------------------------------------------
     def _header_extra(self) -> dict[str, Any]:
@@ -167,8 +210,8 @@ class IVFIndex(BaseIndex):
     @classmethod
     def _from_file(cls, header: dict, arrays: dict[str, np.ndarray]) -> "IVFIndex":
         ivf = header["ivf"]
-        index = cls(_encoder_from_file(header, arrays), ivf["nlist"], header["metric"], by_residual=ivf["by_residual"],
-                    nprobe=ivf["nprobe"], seed=ivf["seed"], niter=ivf["niter"], **_options_in(header))
+        index = cls(cls._encoder_from_file(header, arrays), ivf["nlist"], header["metric"], by_residual=ivf["by_residual"],
+                    nprobe=ivf["nprobe"], seed=ivf["seed"], niter=ivf["niter"], **cls._options_from_file(header))
         if ivf["trained"]:
             index._set_centroids(torch.from_numpy(arrays["ivf/centroids"]))
         offsets = arrays["ivf/list_offsets"]

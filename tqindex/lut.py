@@ -15,13 +15,14 @@ from torch import Tensor
 
 from .codes import Codes
 from .encoder import Encoder
+from .packing import byte_table, packed_size
 from .turboquant import TurboQuantMSE
 
 LUT_BITS = (1, 2, 4)
 
 
 def lut_supported(encoder: Encoder) -> bool:
-    """True when :func:`lut_scores` can score ``encoder``'s codes (TurboQuantMSE with 1, 2 or 4 bits)."""
+    """True when :class:`LookupTables` can score ``encoder``'s codes (TurboQuantMSE with 1, 2 or 4 bits)."""
     return isinstance(encoder, TurboQuantMSE) and encoder.bits in LUT_BITS
 
 
@@ -31,43 +32,49 @@ def lut_scores(encoder: TurboQuantMSE, qr: Tensor, codes: Codes) -> Tensor:
     qr: [m, dim] float32 rotated queries (``encoder.prepare_queries``); codes: Codes [n] on the same
     device. Returns [m, n] float32.
     """
-    return lut_scan(lut_tables(encoder, qr), codes)
+    lut = LookupTables(encoder, qr.device)
+    return lut.scan(lut.tables(qr), codes)
 
 
-def lut_tables(encoder: TurboQuantMSE, qr: Tensor, sqnorm: bool = False) -> Tensor:
-    """Tables [P·256, m] float32 of rotated queries qr [m, dim]: row ``p·256 + v`` holds byte value
-    v's partial inner product at byte position p (P = packed bytes per vector).
+class LookupTables:
+    """Builds per-query byte tables for one encoder and scores codes with them."""
 
-    With ``sqnorm`` a last column [P·256, m + 1] holds the partial sums of ``c²`` (for ``||x̂||²``).
-    Coordinates past ``dim`` (the padding of the last byte) get zero weight.
-    """
-    if not lut_supported(encoder):
-        raise ValueError(f"lookup tables need TurboQuantMSE with bits in {LUT_BITS}, got {encoder!r}")
-    bits = encoder.bits
-    per_byte = 8 // bits
-    values = torch.arange(256, device=qr.device)
-    idx = torch.stack([(values >> (bits * i)) & ((1 << bits) - 1) for i in range(per_byte)], -1)
-    levels = encoder.tensors()["centroids"].to(qr.device)[idx]  # [256, per_byte]
-    nbytes = -(-encoder.dim // per_byte)
-    pad = (0, nbytes * per_byte - encoder.dim)
-    q = F.pad(qr.float(), pad).reshape(-1, nbytes, per_byte).permute(1, 2, 0)  # [P, per_byte, m]
-    tables = torch.matmul(levels, q)  # [P, 256, m]
-    if sqnorm:
-        ones = F.pad(torch.ones(encoder.dim, device=qr.device), pad).reshape(nbytes, per_byte, 1)
-        tables = torch.cat((tables, torch.matmul(levels.square(), ones)), -1)  # [P, 256, m + 1]
-    return tables.reshape(nbytes * 256, -1)
+    def __init__(self, encoder: TurboQuantMSE, device: torch.device | str = "cpu") -> None:
+        if not lut_supported(encoder):
+            raise ValueError(f"lookup tables need TurboQuantMSE with bits in {LUT_BITS}, got {encoder!r}")
+        self.dim = encoder.dim
+        self.per_byte = 8 // encoder.bits  # codes per byte
+        self.nbytes = packed_size(self.dim, encoder.bits)  # P: packed bytes per vector
+        self.levels = byte_table(encoder.tensors()["centroids"].to(device), encoder.bits)  # [256, per_byte]
+        self.offsets = torch.arange(0, 256 * self.nbytes, 256, dtype=torch.int32, device=device)  # [P]
+        ones = torch.ones(1, self.dim, device=device)
+        self.sq_tables = self._partial_sums(ones, self.levels.square())  # [P, 256, 1]: partial sums of c²
 
+    def tables(self, qr: Tensor, sqnorm: bool = False) -> Tensor:
+        """Tables [P·256, m] float32 of rotated queries qr [m, dim]: row ``p·256 + v`` holds byte
+        value v's partial inner product at byte position p.
 
-def lut_scan(tables: Tensor, codes: Codes, sqnorm: bool = False) -> Tensor:
-    """Scores [m, n] float32 of Codes [n] from :func:`lut_tables`: ``<R q, R x̂>``, or with ``sqnorm``
-    (tables built with ``sqnorm=True``) ``<R q, R x̂> - ||x̂||²``."""
-    nbytes = tables.shape[0] // 256
-    if not isinstance(codes, Codes) or codes.qdata.dim() != 2 or codes.qdata.shape[-1] != nbytes:
-        got = tuple(codes.qdata.shape) if isinstance(codes, Codes) else type(codes).__name__
-        raise ValueError(f"codes must be Codes [n] with {nbytes} code bytes per vector, got qdata {got}")
-    offsets = torch.arange(0, 256 * nbytes, 256, dtype=torch.int32, device=codes.device)
-    sums = F.embedding_bag(codes.qdata + offsets, tables, mode="sum")  # int32 [n, P] indices -> [n, m (+1)]
-    s = codes.norm.float()[:, None]  # [n, 1]
-    if sqnorm:
-        return (sums[:, :-1] * s - sums[:, -1:] * s.square()).T.contiguous()
-    return (sums * s).T.contiguous()
+        With ``sqnorm`` a last column (-> [P·256, m + 1]) holds the partial sums of ``c²`` (for
+        ``||x̂||²``). Coordinates past ``dim`` (the padding of the last byte) get zero weight.
+        """
+        t = self._partial_sums(qr.float(), self.levels)  # [P, 256, m]
+        if sqnorm:
+            t = torch.cat((t, self.sq_tables), -1)
+        return t.reshape(self.nbytes * 256, -1)
+
+    def _partial_sums(self, q: Tensor, levels: Tensor) -> Tensor:
+        """q [m, dim] x levels [256, per_byte] -> [P, 256, m], written row-major (no transpose copy)."""
+        q = F.pad(q, (0, self.nbytes * self.per_byte - self.dim)).reshape(-1, self.nbytes, self.per_byte)
+        return torch.matmul(levels, q.permute(1, 2, 0).contiguous())  # [256, per_byte] @ [P, per_byte, m]
+
+    def scan(self, tables: Tensor, codes: Codes, sqnorm: bool = False) -> Tensor:
+        """Scores [m, n] float32 of Codes [n] from :meth:`tables`: ``<R q, R x̂>``, or with ``sqnorm``
+        (tables built with ``sqnorm=True``) ``<R q, R x̂> - ||x̂||²``."""
+        if not isinstance(codes, Codes) or codes.qdata.dim() != 2 or codes.qdata.shape[-1] != self.nbytes:
+            got = tuple(codes.qdata.shape) if isinstance(codes, Codes) else type(codes).__name__
+            raise ValueError(f"codes must be Codes [n] with {self.nbytes} code bytes per vector, got qdata {got}")
+        sums = F.embedding_bag(codes.qdata + self.offsets, tables, mode="sum")  # int32 [n, P] -> [n, m(+1)]
+        s = codes.norm.float()[:, None]  # [n, 1]
+        if sqnorm:
+            return (sums[:, :-1] * s - sums[:, -1:] * s.square()).T.contiguous()
+        return (sums * s).T.contiguous()
