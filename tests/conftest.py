@@ -1,7 +1,10 @@
 import os
 
-import pytest
-import torch
+# Busy-waiting OpenMP threads make torch many times slower on a loaded 2-core machine.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Statistical tests use fixed seeds; keep CPU threads modest on small CI machines.
 torch.set_num_threads(min(2, os.cpu_count() or 1))

@@ -91,7 +91,7 @@ class Rotation:
         g = torch.from_numpy(rng.standard_normal((dim, dim)))
         q, r = torch.linalg.qr(g)
         q = q * torch.sign(torch.diagonal(r))[None, :]  # sign fix: Haar distributed
-        return cls(dim, "dense", matrix=q.float())
+        return cls(dim, "dense", matrix=q.float().contiguous())
 
     def tensors(self) -> dict[str, Tensor]:
         """The tensors that define R (to store in a file)."""
