@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, Callable
 
@@ -110,7 +111,7 @@ def best_time(fn: Callable[[], Any], repeats: int, budget_s: float) -> float:
     return best
 
 
-class Baseline:
+class Baseline(ABC):
     """A baseline index: build (train + add), search, bytes per vector, timed search.
 
     name: method name in result rows; family: result grouping ("faiss-pq", "turbovec", ...);
@@ -120,18 +121,18 @@ class Baseline:
     def __init__(self, name: str, family: str, bits: int, notes: str = "") -> None:
         self.name, self.family, self.bits, self.notes = name, family, bits, notes
 
+    @abstractmethod
     def build(self, x: np.ndarray) -> None:
         """Train on and add x [n, d] float32."""
-        raise NotImplementedError
 
+    @abstractmethod
     def search(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """q [nq, d] float32 -> (scores, ids) [nq, k] float32 / int64, best first."""
-        raise NotImplementedError
 
     @property
+    @abstractmethod
     def bytes_per_vector(self) -> float:
         """Stored bytes per vector, codes plus per-vector side data (valid after build)."""
-        raise NotImplementedError
 
     def timed_search(self, q: np.ndarray, k: int, threads: int, repeats: int,
                      budget_s: float = float("inf")) -> float:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
@@ -224,7 +225,7 @@ class BlockScan:
 # indexes
 
 
-class BaseIndex:
+class BaseIndex(ABC):
     """Ids, validation, add / search / remove, re-ranking and file state shared by every index.
 
     Subclasses hold ``nlists`` :class:`CodeList` runs and implement :meth:`_scan` (and, for IVF,
@@ -467,9 +468,9 @@ class BaseIndex:
         """Vector scores a search of nq queries computes (decides the progress bar)."""
         return nq * self.ntotal
 
+    @abstractmethod
     def _scan(self, scan: BlockScan, q: Tensor, allowed: Tensor | None, **opts: Any) -> None:
         """Run ``scan`` (prepared from queries q [m, dim]) over the lists; allowed: sorted int64 ids or None."""
-        raise NotImplementedError
 
     # -- files --------------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> None:
