@@ -394,10 +394,7 @@ class BaseIndex(ABC):
         if t.dim() != 2:
             raise ValueError(f"{name} must be a 2-D array [n, {self.dim}], got shape {tuple(t.shape)}")
         t = t.cpu()
-        if self.metric == "cosine":
-            norms = torch.linalg.vector_norm(t, dim=1, keepdim=True)
-            t = t / torch.where(norms > 0, norms, torch.ones_like(norms))
-        return t
+        return torch.nn.functional.normalize(t, dim=1) if self.metric == "cosine" else t
 
     def _new_ids(self, ids: Any, n: int) -> Tensor:
         """Validated new ids int64 [n]: no repeats, none already stored."""
