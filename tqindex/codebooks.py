@@ -105,6 +105,7 @@ def lloyd_max(dim: int, bits: int, tol: float = 1e-13) -> Codebook:
         c = new
         if done:
             break
+    c = (c - c[::-1]) / 2  # exactly symmetric (the density is): then so are the midpoints, with 0 in the middle
     edges[1:-1] = (c[:-1] + c[1:]) / 2
     mass = np.diff(dens.cdf(edges))
     moment = np.diff(dens.first_moment_antiderivative(edges))

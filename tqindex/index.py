@@ -29,6 +29,8 @@ from tqdm import tqdm
 from .codes import Codes
 from .encoder import Encoder, as_float_tensor, encoder_from_dict, make_encoder
 from .io import register_index_type, write_index_file
+from .fastscan import FastScan
+from .fastscan import available as fastscan_available
 from .lut import LookupTables, lut_supported
 
 METRICS = ("ip", "cosine", "l2")
@@ -40,6 +42,8 @@ DECODE_ELEMENTS = 1 << 20
 MIN_TILE = 256
 QUERY_CHUNK = TILE_BYTES // (4 * MIN_TILE)
 """Queries searched together; more are searched chunk by chunk (bounded memory)."""
+FAST_TABLE_BYTES = 32 << 20
+"""Queries are searched in chunks whose compiled-scan tables take at most this many bytes."""
 LUT_MAX_QUERIES = 32
 """Up to this many queries, lookup tables replace decode-and-GEMM where the encoder allows."""
 ADD_CHUNK = 1 << 16
@@ -123,6 +127,7 @@ class TopK:
     """
 
     def __init__(self, nq: int, k: int) -> None:
+        self.k = k
         self.values = torch.full((nq, k), -math.inf)  # [nq, k] float32 in heap order (all equal: a valid heap)
         self.labels = torch.full((nq, k), -1, dtype=torch.int64)  # [nq, k]
         self._heaps = faiss.float_minheap_array_t()
@@ -144,6 +149,13 @@ class TopK:
             rows = rows.contiguous()
             self._heaps.addn_query_subset_with_ids(len(rows), faiss.cast_integer_to_idx_t_ptr(rows.data_ptr()),
                                                    nj, vin, ids, 0)
+
+    def merge(self, values: Tensor, labels: Tensor, rows: Tensor) -> None:
+        """Merge per-row candidates: values float32 [r, j] and labels int64 [r, j] of heap rows ``rows`` [r]."""
+        values, labels, rows = values.contiguous(), labels.contiguous(), rows.contiguous()
+        self._heaps.addn_query_subset_with_ids(len(rows), faiss.cast_integer_to_idx_t_ptr(rows.data_ptr()),
+                                               values.shape[1], faiss.cast_integer_to_float_ptr(values.data_ptr()),
+                                               faiss.cast_integer_to_idx_t_ptr(labels.data_ptr()), values.shape[1])
 
     def result(self) -> tuple[Tensor, Tensor]:
         """(values [nq, k] float32, labels [nq, k] int64), best first; -inf and -1 where nothing was found."""
@@ -167,9 +179,11 @@ class BlockScan:
     top: TopK
     lut: LookupTables | None = None  # the encoder's tables builder, where it has one
     bar: tqdm | None = None
+    fast: FastScan | None = None  # the compiled scan, where it serves the encoder
 
     def __post_init__(self) -> None:
-        lut_all = self.lut is not None and self.few
+        self._fast_tables = None if self.fast is None else self.fast.tables(self.qs)
+        lut_all = self.lut is not None and self.few and self.fast is None
         self._all_tables = self.lut.tables(self.qs, self.l2) if lut_all else None  # serve every run of few queries
 
     @property
@@ -193,6 +207,16 @@ class BlockScan:
         if shift is not None:
             qs = qs - shift
         m, n = qs.shape[0], len(codes) if select is None else len(select)
+        if self.fast is not None:
+            tables = self.fast.tables(qs) if shift is not None else (
+                self._fast_tables if rows is None else self._fast_tables.rows(rows))
+            if select is not None:
+                codes = codes[select]
+            labels = torch.arange(label_base, label_base + n) if select is None else select + label_base
+            self.fast.run(tables, codes, labels, self.top, rows, self.l2, offset)
+            if self.bar is not None:
+                self.bar.update(m * n)
+            return
         tables, pick = None, None  # lookup tables, and the rows of their scores to keep
         if self._all_tables is not None and shift is None:
             tables, pick = self._all_tables, rows
@@ -252,6 +276,9 @@ class BaseIndex(ABC):
         self.rerank_factor = rerank_factor
         self._lists = [CodeList() for _ in range(nlists)]
         self._lut = LookupTables(encoder) if lut_supported(encoder) else None
+        self._fast = FastScan(self._lut) if self._lut is not None and fastscan_available() else None
+        # Score 1/2/4-bit TurboQuantMSE codes with the compiled kernel (False: the PyTorch scans).
+        self.compiled_scan = self._fast is not None
         self._id_cache: tuple = (None,)
         self._next_id = 0
 
@@ -352,12 +379,13 @@ class BaseIndex(ABC):
         show = _show(progress, work >= PROGRESS_MIN_SCORES)
         with tqdm(total=work, unit="score", unit_scale=True, desc="search",
                   disable=not show) as bar:
-            for i in range(0, len(qt), QUERY_CHUNK):
-                chunk = qt[i : i + QUERY_CHUNK]
+            step = QUERY_CHUNK if self._fast is None else max(1, min(QUERY_CHUNK, FAST_TABLE_BYTES // self._fast.table_bytes))
+            for i in range(0, len(qt), step):
+                chunk = qt[i : i + step]
                 qr = self.encoder.prepare_queries(chunk)  # [m, dim]
                 l2 = self.metric == "l2"
                 scan = BlockScan(self.encoder, l2, 2 * qr if l2 else qr, TopK(len(chunk), depth), self._lut,
-                                 bar if show else None)
+                                 bar if show else None, self._fast if self.compiled_scan else None)
                 self._scan(scan, chunk, allowed, **opts)
                 values, labels = scan.top.result()
                 if self.keep_vectors:

@@ -5,6 +5,9 @@ reconstruction is ``s · c[idx]``. So for each query and each packed byte positi
 table ``T[p][v] = Σ_i c[code_i(v)] · (R q)[p·(8/b) + i]`` gives the partial inner product of byte
 value v, and ``<R q, R x̂> = s · Σ_p T[p][qdata[p]]``: one table lookup per byte instead of a decode
 of every coordinate. The lookups run as one ``embedding_bag`` (sum) over int32 indices.
+
+A byte's table is the sum of the tables of its two 4-bit nibbles (:meth:`LookupTables.nibble_tables`),
+which the compiled scan (``fastscan.py``) uses directly.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from torch import Tensor
 
 from .codes import Codes
 from .encoder import Encoder
-from .packing import byte_table, packed_size
+from .packing import packed_size, unpack
 from .turboquant import TurboQuantMSE
 
 LUT_BITS = (1, 2, 4)
@@ -43,29 +46,44 @@ class LookupTables:
         if not lut_supported(encoder):
             raise ValueError(f"lookup tables need TurboQuantMSE with bits in {LUT_BITS}, got {encoder!r}")
         self.dim = encoder.dim
-        self.per_byte = 8 // encoder.bits  # codes per byte
+        self.per_nibble = 4 // encoder.bits  # codes per nibble
         self.nbytes = packed_size(self.dim, encoder.bits)  # P: packed bytes per vector
-        self.levels = byte_table(encoder.tensors()["centroids"].to(device), encoder.bits)  # [256, per_byte]
+        nibbles = unpack(torch.arange(16, dtype=torch.uint8, device=device)[:, None], encoder.bits, self.per_nibble)
+        centroids = encoder.tensors()["centroids"].to(device)
+        self.levels = centroids[nibbles.int()]  # [16, per_nibble]: code values of each nibble value
         self.offsets = torch.arange(0, 256 * self.nbytes, 256, dtype=torch.int32, device=device)  # [P]
-        ones = torch.ones(1, self.dim, device=device)
-        self.sq_tables = self._partial_sums(ones, self.levels.square())  # [P, 256, 1]: partial sums of c²
+        self.sq_tables = self._bytes(self.nibble_tables(None)[None])  # [P, 256, 1]: sums of c²
+
+    def nibble_tables(self, q: Tensor | None) -> Tensor:
+        """Nibble tables of rotated queries q [m, dim] -> [m, 2P, 16]: entry ``[i, t, v]`` is the partial
+        inner product of q[i] with the codes of nibble value v at nibble t (t = 2p: low nibble of byte p,
+        2p + 1: high nibble). ``q=None`` gives the partial sums of ``c²`` ([2P, 16]). Coordinates past
+        ``dim`` (the padding of the last byte) get zero weight."""
+        levels = self.levels if q is not None else self.levels.square()
+        w = q if q is not None else torch.ones(1, self.dim, device=levels.device)
+        w = F.pad(w, (0, 2 * self.nbytes * self.per_nibble - self.dim)).reshape(len(w), -1, self.per_nibble)
+        t = w @ levels.T  # [m, 2P, 16]
+        return t if q is not None else t[0]
 
     def tables(self, qr: Tensor, sqnorm: bool = False) -> Tensor:
-        """Tables [P·256, m] float32 of rotated queries qr [m, dim]: row ``p·256 + v`` holds byte
+        """Byte tables [P·256, m] float32 of rotated queries qr [m, dim]: row ``p·256 + v`` holds byte
         value v's partial inner product at byte position p.
 
         With ``sqnorm`` a last column (-> [P·256, m + 1]) holds the partial sums of ``c²`` (for
-        ``||x̂||²``). Coordinates past ``dim`` (the padding of the last byte) get zero weight.
+        ``||x̂||²``).
         """
-        t = self._partial_sums(qr.float(), self.levels)  # [P, 256, m]
+        t = self._bytes(self.nibble_tables(qr.float()))  # [P, 256, m]
         if sqnorm:
             t = torch.cat((t, self.sq_tables), -1)
         return t.reshape(self.nbytes * 256, -1)
 
-    def _partial_sums(self, q: Tensor, levels: Tensor) -> Tensor:
-        """q [m, dim] x levels [256, per_byte] -> [P, 256, m], written row-major (no transpose copy)."""
-        q = F.pad(q, (0, self.nbytes * self.per_byte - self.dim)).reshape(-1, self.nbytes, self.per_byte)
-        return torch.matmul(levels, q.permute(1, 2, 0).contiguous())  # [256, per_byte] @ [P, per_byte, m]
+    def _bytes(self, nib: Tensor) -> Tensor:
+        """Nibble tables [m, 2P, 16] -> byte tables [P, 256, m] (byte v = low nibble v & 15, high v >> 4),
+        written row-major (no transpose copy)."""
+        nib = nib.reshape(len(nib), self.nbytes, 2, 16).permute(1, 2, 3, 0)  # [P, 2, 16, m]
+        out = nib.new_empty(self.nbytes, 16, 16, nib.shape[-1])  # plain strides, also for m = 1
+        torch.add(nib[:, 1, :, None], nib[:, 0, None, :], out=out)
+        return out.reshape(self.nbytes, 256, -1)
 
     def scan(self, tables: Tensor, codes: Codes, sqnorm: bool = False) -> Tensor:
         """Scores [m, n] float32 of Codes [n] from :meth:`tables`: ``<R q, R x̂>``, or with ``sqnorm``

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from .codebooks import lloyd_max, lookup
+from . import native
 from .codes import Codes
 from .encoder import Encoder, register_class, register_name
 from .packing import pack, packed_size, unpack_values
@@ -17,6 +18,8 @@ from .rotation import ROTATION_KINDS, seeded_rng
 RESCALE_MODES = ("norm", "unbiased", "cos")
 CODE_SEARCH_RANGE = (0.85, 1.25)
 """Pre-scales tried by ``code_search``: codes of ``alpha · R u`` for alpha in this range."""
+NATIVE_MIN_ROWS = 4096
+"""Rows per thread, at least, when the compiled direction search is split over threads."""
 NORM_DTYPES = {"float16": torch.float16, "float32": torch.float32}
 MSE_BITS = (1, 2, 3, 4, 8)
 _SIGNS = torch.tensor([-1.0, 1.0])
@@ -28,23 +31,70 @@ def _check_choice(name: str, value: object, allowed: tuple | dict) -> None:
 
 
 def _quantize_rotated(y: Tensor, centroids: Tensor, boundaries: Tensor) -> tuple[Tensor, Tensor]:
-    """Nearest codebook level of each coordinate: y [N, d] -> (idx int32 [N, d], levels float [N, d])."""
-    idx = torch.bucketize(y, boundaries, out_int32=True)
+    """Nearest codebook level of each coordinate: y [N, d] -> (idx [N, d] integer, levels float [N, d])."""
+    idx, _, _ = _quantize_direction(y, centroids, boundaries, 1)
     return idx, lookup(centroids, idx)
+
+
+def search_alphas(candidates: int, device: torch.device | str = "cpu") -> Tensor:
+    """Pre-scales tried by the direction search: [1] for ``candidates`` <= 1, else 1 and ``candidates``
+    values spread over CODE_SEARCH_RANGE."""
+    if candidates <= 1:
+        return torch.ones(1, device=device)
+    return torch.cat([torch.ones(1), torch.linspace(*CODE_SEARCH_RANGE, candidates)]).to(device)
 
 
 def _quantize_direction(
     y: Tensor, centroids: Tensor, boundaries: Tensor, candidates: int
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor]:
     """Codes whose levels c best match the direction of y: max cos(y, c) over the nearest-level codes
-    of ``alpha · y`` for alpha = 1 and ``candidates`` values in CODE_SEARCH_RANGE (y [N, d] -> idx, c).
+    of ``alpha · y`` for the :func:`search_alphas` (y [N, d] -> (idx [N, d], <y, c> [N], ||c||² [N])).
+
+    Runs the compiled kernel (``csrc/quantize.c``) for float32 CPU rows and symmetric codebooks of up
+    to 16 levels, else :func:`quantize_direction_reference`.
+    """
+    alphas = search_alphas(candidates, y.device)
+    if (y.device.type == "cpu" and y.dtype == torch.float32 and len(centroids) <= 16 and native.available()
+            and torch.equal(centroids, -centroids.flip(0))):
+        return _quantize_direction_native(y, centroids, boundaries, alphas)
+    idx, c = quantize_direction_reference(y, centroids, boundaries, alphas)
+    return idx, (y * c).sum(-1), c.square().sum(-1)
+
+
+def _quantize_direction_native(y: Tensor, centroids: Tensor, boundaries: Tensor,
+                               alphas: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`_quantize_direction` by the compiled kernel, rows split over torch's thread count."""
+    y, alphas = y.contiguous(), alphas.float().contiguous()
+    h = len(centroids) // 2
+    levels, bounds = centroids[h:].float().contiguous(), boundaries[h:].float().contiguous()
+    n, d = y.shape
+    idx = torch.empty(n, d, dtype=torch.uint8)
+    dot, sq = torch.empty(n), torch.empty(n)
+    parts = max(1, min(torch.get_num_threads(), n // NATIVE_MIN_ROWS))
+    bounds_rows = [round(i * n / parts) for i in range(parts + 1)]
+    lib = native.require()
+
+    def call(a: int, b: int) -> int:
+        return lib.tq_quantize_direction(y[a:].data_ptr(), b - a, d, alphas.data_ptr(), len(alphas),
+                                         levels.data_ptr(), bounds.data_ptr(), h, idx[a:].data_ptr(),
+                                         dot[a:].data_ptr(), sq[a:].data_ptr(), 1)
+
+    native.parallel(call, list(zip(bounds_rows[:-1], bounds_rows[1:])))
+    return idx, dot, sq
+
+
+def quantize_direction_reference(y: Tensor, centroids: Tensor, boundaries: Tensor,
+                                 alphas: Tensor) -> tuple[Tensor, Tensor]:
+    """PyTorch direction search (reference of the kernel, and the GPU path): among the nearest-level
+    codes of ``alpha · y`` for alphas [A], the one maximizing cos(y, c) (the first on ties);
+    y [N, d] -> (idx int32 [N, d], levels c float [N, d]).
 
     One bucketize serves every alpha: the cuts ``boundaries / alpha`` split the axis into cells in
     which each alpha's level is constant, so per-cell tables give every candidate's level at once.
     """
-    if candidates <= 1:
-        return _quantize_rotated(y, centroids, boundaries)
-    alphas = torch.cat([torch.ones(1), torch.linspace(*CODE_SEARCH_RANGE, candidates)]).to(y.device)  # [A]
+    if len(alphas) == 1 and float(alphas[0]) == 1.0:
+        idx = torch.bucketize(y, boundaries, out_int32=True)
+        return idx, lookup(centroids, idx)
     cuts = torch.unique(boundaries[None, :] / alphas[:, None])  # sorted cell edges [C - 1]
     inside = torch.cat([cuts[:1] - 1, (cuts[1:] + cuts[:-1]) / 2, cuts[-1:] + 1])  # a point per cell [C]
     level = torch.bucketize(inside[:, None] * alphas, boundaries, out_int32=True)  # [C, A]
@@ -114,11 +164,11 @@ class TurboQuantMSE(Encoder):
         n, u = _unit_rows(x)
         y = self._rotation(x.device).apply(u)  # [N, d]
         search = self.code_search if self.bits > 1 else 1  # 1-bit codes are signs: nothing to search
-        idx, c = _quantize_direction(y, s["centroids"], s["boundaries"], search)
+        idx, ydotc, csq = _quantize_direction(y, s["centroids"], s["boundaries"], search)
         if self.rescale == "norm":
             scale = n
         else:
-            inv = 1.0 / (y * c).sum(-1) if self.rescale == "unbiased" else torch.rsqrt((c * c).sum(-1))
+            inv = 1.0 / ydotc if self.rescale == "unbiased" else torch.rsqrt(csq)
             scale = torch.where(n > 0, n * inv, torch.zeros_like(n))
         return Codes(qdata=pack(idx, self.bits), norm=scale.to(NORM_DTYPES[self.norm_dtype]))
 

@@ -1,0 +1,357 @@
+/* Nibble lookup-table scan ("fast scan") over packed 1/2/4-bit TurboQuant Q_mse codes.
+ *
+ * A code row is `nbytes` packed bytes; each 4-bit nibble t (t = 2p: low nibble of byte p, t = 2p + 1:
+ * high nibble) holds 4/b whole codes, so a query's partial inner product with the row is a sum of
+ * 2 * nbytes table entries T[t][nibble_t]. The scan quantizes T to uint8 per query (done by the
+ * caller: T ~= qmul * U + per-nibble offsets summing to qadd), looks up 32 rows at once with
+ * `pshufb` on AVX2 (a portable loop gives the same integers elsewhere), keeps the `depth` best
+ * approximate scores per query, re-scores those candidates exactly with the float tables and merges
+ * them into the caller's exact top-k min-heaps (faiss layout: root = smallest of the k kept).
+ *
+ * score(row v) = scale[v] * <q, c_v> + bias_v + qoffset[q], with bias_v = -scale[v]^2 * ||c_v||^2
+ * when `sq_table` is given ("l2" scoring) and 0 otherwise.
+ *
+ * Called through ctypes (tqindex/native.py): no Python objects are touched, and ctypes releases the GIL.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#define TQ_X86 1
+#include <immintrin.h>
+#endif
+
+#define BLOCK 32          /* rows looked up together */
+#define GROUP 8           /* blocks transposed together (256 rows) */
+#define CHUNK 256         /* byte positions summed in 16-bit lanes before widening to 32 bits */
+
+/* Row order of the 32 sums a block produces: even rows 0..14, 16..30, then odd rows 1..15, 17..31. */
+static int perm_row(int i) {
+    int g = i >> 3, l = i & 7;
+    return (g & 1) * 16 + 2 * l + (g >> 1);
+}
+
+/* ---------------------------------------------------------------------------------------- heaps */
+
+/* Replace the root of a min-heap of k (value, id) pairs by (v, id) and sift it down. */
+static void heap_replace_top(float *val, int64_t *ids, int64_t k, float v, int64_t id) {
+    int64_t i = 0;
+    for (;;) {
+        int64_t l = 2 * i + 1, r = l + 1, c;
+        if (l >= k) break;
+        c = (r < k && val[r] < val[l]) ? r : l;
+        if (val[c] >= v) break;
+        val[i] = val[c];
+        ids[i] = ids[c];
+        i = c;
+    }
+    val[i] = v;
+    ids[i] = id;
+}
+
+/* Candidate reservoir: scores above `thr` are appended; when `cap` (= 2 keep) are held, a selection
+ * keeps the `keep` largest and raises `thr` to the smallest kept, so an insert costs O(1) amortized. */
+typedef struct {
+    float *val;
+    int64_t *row;
+    int64_t n, keep;
+    float thr;
+    float *tmp;             /* scratch [2 keep] */
+} reservoir_t;
+
+/* The keep-th largest of v[0, n) (1 <= keep <= n); reorders v (quickselect, Hoare partition). */
+static float kth_largest(float *v, int64_t n, int64_t keep) {
+    int64_t lo = 0, hi = n - 1, want = keep - 1;
+    while (lo < hi) {
+        float pivot = v[lo + (hi - lo) / 2];
+        int64_t i = lo, j = hi;
+        while (i <= j) {
+            while (v[i] > pivot) i++;
+            while (v[j] < pivot) j--;
+            if (i <= j) {
+                float t = v[i];
+                v[i++] = v[j];
+                v[j--] = t;
+            }
+        }
+        if (want <= j) hi = j;
+        else if (want >= i) lo = i;
+        else break;
+    }
+    return v[want];
+}
+
+/* Keeps the `keep` largest entries (ties at the threshold in arrival order) and raises thr to the
+ * smallest of them; `tmp` has room for 2 keep floats. */
+static void reservoir_shrink(reservoir_t *r, float *tmp) {
+    memcpy(tmp, r->val, sizeof(float) * (size_t)r->n);
+    float t = kth_largest(tmp, r->n, r->keep);
+    int64_t above = 0, m = 0;
+    for (int64_t i = 0; i < r->n; i++) above += r->val[i] > t;
+    int64_t ties = r->keep - above;  /* entries equal to t that stay */
+    for (int64_t i = 0; i < r->n; i++) {
+        int take = r->val[i] > t || (r->val[i] == t && ties-- > 0);
+        r->val[m] = r->val[i];
+        r->row[m] = r->row[i];
+        m += take;
+    }
+    r->n = r->keep;
+    r->thr = t;
+}
+
+static inline void reservoir_add(reservoir_t *r, float v, int64_t row) {
+    r->val[r->n] = v;
+    r->row[r->n] = row;
+    if (++r->n == 2 * r->keep) reservoir_shrink(r, r->tmp);
+}
+
+/* ----------------------------------------------------------------------------------------- sums */
+
+/* Integer table sums of the 32 rows of one transposed block, in perm_row order.
+ * tb: [nbytes][32] code bytes; lut: [2 * nbytes][16] uint8. */
+static void block_sums_generic(const uint8_t *tb, const uint8_t *lut, int64_t nbytes, uint32_t *out) {
+    for (int i = 0; i < BLOCK; i++) {
+        int v = perm_row(i);
+        uint32_t s = 0;
+        for (int64_t p = 0; p < nbytes; p++) {
+            uint8_t c = tb[p * BLOCK + v];
+            s += lut[32 * p + (c & 15)] + lut[32 * p + 16 + (c >> 4)];
+        }
+        out[i] = s;
+    }
+}
+
+/* Everything one block of 32 rows needs to score against a group of queries. */
+typedef struct {
+    const uint8_t *tb;      /* [nbytes][32] transposed codes */
+    const float *scale;     /* [32] per-row scale, perm_row order */
+    const float *bias;      /* [32] per-row bias, perm_row order (-inf for missing rows) */
+    int64_t row0;           /* first row of the block */
+} block_t;
+
+typedef struct {
+    const uint8_t *lut;     /* [2 nbytes][16] uint8 tables */
+    float mul, add, off;
+    reservoir_t *res;       /* approximate candidates */
+} query_t;
+
+static void scan_block_generic(const block_t *b, const query_t *qs, int nqb, int64_t nbytes) {
+    uint32_t s[BLOCK];
+    float sc[BLOCK];
+    for (int j = 0; j < nqb; j++) {
+        const query_t *q = qs + j;
+        block_sums_generic(b->tb, q->lut, nbytes, s);
+        for (int i = 0; i < BLOCK; i++) sc[i] = b->scale[i] * (q->mul * (float)s[i] + q->add) + b->bias[i] + q->off;
+        for (int i = 0; i < BLOCK; i++)
+            if (sc[i] > q->res->thr) reservoir_add(q->res, sc[i], b->row0 + perm_row(i));
+    }
+}
+
+#ifdef TQ_X86
+#define AVX2 __attribute__((target("avx2,fma")))
+
+/* Adds one query's 16-bit accumulators to its 32-bit sums (perm_row order: e0 rows 0, 2, .., 14, e1
+ * rows 16, .., 30, o0 rows 1, .., 15, o1 rows 17, .., 31): a0 sums both bytes of each 16-bit lane
+ * (rows 2j, 2j+1; mod 2^16), a1 the high bytes, so the even row's sum is a0 - 256 a1. */
+AVX2 static inline void widen(__m256i a0, __m256i a1, __m256i *e) {
+    __m256i ev = _mm256_sub_epi16(a0, _mm256_slli_epi16(a1, 8));
+    e[0] = _mm256_add_epi32(e[0], _mm256_cvtepu16_epi32(_mm256_castsi256_si128(ev)));
+    e[1] = _mm256_add_epi32(e[1], _mm256_cvtepu16_epi32(_mm256_extracti128_si256(ev, 1)));
+    e[2] = _mm256_add_epi32(e[2], _mm256_cvtepu16_epi32(_mm256_castsi256_si128(a1)));
+    e[3] = _mm256_add_epi32(e[3], _mm256_cvtepu16_epi32(_mm256_extracti128_si256(a1, 1)));
+}
+
+/* Scores of 32 rows for NQ queries at once: each code byte is loaded and split into nibbles once.
+ * Table entries are at most 127, so a byte's two lookups add without overflow in 8 bits. */
+AVX2 static inline __attribute__((always_inline)) void scan_block_avx2_n(const block_t *b, const query_t *qs,
+                                                                          const int NQ, int64_t nbytes) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    __m256i e[4][4];
+    for (int j = 0; j < NQ; j++) e[j][0] = e[j][1] = e[j][2] = e[j][3] = _mm256_setzero_si256();
+    for (int64_t p0 = 0; p0 < nbytes; p0 += CHUNK) {
+        int64_t p1 = p0 + CHUNK < nbytes ? p0 + CHUNK : nbytes;
+        __m256i a[4][2];
+        for (int j = 0; j < NQ; j++) a[j][0] = a[j][1] = _mm256_setzero_si256();
+        for (int64_t p = p0; p < p1; p++) {
+            __m256i c = _mm256_loadu_si256((const __m256i *)(b->tb + BLOCK * p));
+            __m256i lo = _mm256_and_si256(c, m4);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), m4);
+            for (int j = 0; j < NQ; j++) {
+                const uint8_t *lut = qs[j].lut + 32 * p;
+                __m256i tl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)lut));
+                __m256i th = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(lut + 16)));
+                __m256i r = _mm256_add_epi8(_mm256_shuffle_epi8(tl, lo), _mm256_shuffle_epi8(th, hi));
+                a[j][0] = _mm256_add_epi16(a[j][0], r);
+                a[j][1] = _mm256_add_epi16(a[j][1], _mm256_srli_epi16(r, 8));
+            }
+        }
+        for (int j = 0; j < NQ; j++) widen(a[j][0], a[j][1], e[j]);
+    }
+    for (int j = 0; j < NQ; j++) {
+        const query_t *q = qs + j;
+        __m256 mul = _mm256_set1_ps(q->mul), add = _mm256_set1_ps(q->add), off = _mm256_set1_ps(q->off);
+        __m256 thr = _mm256_set1_ps(q->res->thr);
+        __m256 sc[4];
+        unsigned mask = 0;
+        for (int g = 0; g < 4; g++) {
+            __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(e[j][g]), mul, add);
+            __m256 bo = _mm256_add_ps(_mm256_loadu_ps(b->bias + 8 * g), off);
+            sc[g] = _mm256_fmadd_ps(t, _mm256_loadu_ps(b->scale + 8 * g), bo);
+            mask |= (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(sc[g], thr, _CMP_GT_OQ)) << (8 * g);
+        }
+        if (mask) {
+            float buf[BLOCK];
+            for (int g = 0; g < 4; g++) _mm256_storeu_ps(buf + 8 * g, sc[g]);
+            while (mask) {
+                int i = __builtin_ctz(mask);
+                mask &= mask - 1;
+                if (buf[i] > q->res->thr) reservoir_add(q->res, buf[i], b->row0 + perm_row(i));
+            }
+        }
+    }
+}
+
+AVX2 static void scan_block_avx2(const block_t *b, const query_t *qs, int nqb, int64_t nbytes) {
+    switch (nqb) {
+        case 4: scan_block_avx2_n(b, qs, 4, nbytes); break;
+        case 3: scan_block_avx2_n(b, qs, 3, nbytes); break;
+        case 2: scan_block_avx2_n(b, qs, 2, nbytes); break;
+        default: scan_block_avx2_n(b, qs, 1, nbytes); break;
+    }
+}
+#endif
+
+#define QGROUP 4  /* queries scored together per block */
+
+typedef void (*scan_fn)(const block_t *, const query_t *, int, int64_t);
+
+static scan_fn pick_scan(int allow_simd) {
+#ifdef TQ_X86
+    if (allow_simd && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return scan_block_avx2;
+#endif
+    (void)allow_simd;
+    return scan_block_generic;
+}
+
+/* 1 when the SIMD path serves this CPU. */
+int tq_fastscan_simd(void) { return pick_scan(1) != scan_block_generic; }
+
+/* -------------------------------------------------------------------------------------- scanning */
+
+/* Transposes rows [r0, r0 + cnt) (cnt <= BLOCK) of codes [*, nbytes] into tb [nbytes][BLOCK]
+ * (missing rows are zero). */
+static void transpose_block(const uint8_t *codes, int64_t nbytes, int64_t r0, int cnt, uint8_t *tb) {
+    if (cnt < BLOCK) memset(tb, 0, (size_t)(nbytes * BLOCK));
+    for (int j = 0; j < cnt; j++) {
+        const uint8_t *row = codes + (r0 + j) * nbytes;
+        for (int64_t p = 0; p < nbytes; p++) tb[p * BLOCK + j] = row[p];
+    }
+}
+
+/* sum_t table[t][nibble_t(row)] over the 2 * nbytes nibbles of one code row (float tables). */
+static float row_dot(const uint8_t *row, const float *table, int64_t nbytes) {
+    float s = 0.f;
+    for (int64_t p = 0; p < nbytes; p++) s += table[32 * p + (row[p] & 15)] + table[32 * p + 16 + (row[p] >> 4)];
+    return s;
+}
+
+/* Approximate stage: the `depth` best approximate scores of code rows [0, n) per query, in no order,
+ * into cval / crow [nq, depth] (-inf / row -1 where fewer rows exist). Returns 0, or -1 when out of
+ * memory.
+ *
+ * codes [n, nbytes] uint8; scale [n] float; sq_table [2 nbytes, 16] float or NULL; qtab
+ * [nq, 2 nbytes, 16] uint8 (entries <= 127) with qmul, qadd [nq]; qoffset [nq] or NULL.
+ * allow_simd = 0 forces the portable loop. */
+int tq_fastscan_candidates(const uint8_t *codes, int64_t n, int64_t nbytes, const float *scale,
+                           const float *sq_table, int64_t nq, const uint8_t *qtab, const float *qmul,
+                           const float *qadd, const float *qoffset, int64_t depth, float *cval, int64_t *crow,
+                           int allow_simd) {
+    for (int64_t i = 0; i < nq * depth; i++) cval[i] = -INFINITY, crow[i] = -1;
+    if (n <= 0 || nq <= 0 || depth <= 0) return 0;
+    scan_fn scan = pick_scan(allow_simd);
+    const int64_t tsize = 2 * nbytes * 16;
+    uint8_t *tb = malloc((size_t)(GROUP * BLOCK * nbytes));
+    float *rval = malloc(sizeof(float) * (size_t)(2 * nq * depth));
+    int64_t *rrow = malloc(sizeof(int64_t) * (size_t)(2 * nq * depth));
+    reservoir_t *res = malloc(sizeof(reservoir_t) * (size_t)nq);
+    float *tmp = malloc(sizeof(float) * (size_t)(2 * depth));
+    if (!tb || !rval || !rrow || !res || !tmp) {
+        free(tb), free(rval), free(rrow), free(res), free(tmp);
+        return -1;
+    }
+    for (int64_t q = 0; q < nq; q++)
+        res[q] = (reservoir_t){rval + 2 * q * depth, rrow + 2 * q * depth, 0, depth, -INFINITY, tmp};
+    float sp[GROUP][BLOCK], bp[GROUP][BLOCK];
+    block_t blk[GROUP];
+    query_t qg[QGROUP];
+    for (int64_t g0 = 0; g0 < n; g0 += GROUP * BLOCK) {
+        int nblk = 0;
+        for (; nblk < GROUP && g0 + nblk * BLOCK < n; nblk++) {
+            int64_t r0 = g0 + nblk * BLOCK;
+            int cnt = n - r0 < BLOCK ? (int)(n - r0) : BLOCK;
+            uint8_t *tbb = tb + nblk * BLOCK * nbytes;
+            transpose_block(codes, nbytes, r0, cnt, tbb);
+            for (int i = 0; i < BLOCK; i++) {
+                int v = perm_row(i);
+                float s = v < cnt ? scale[r0 + v] : 0.f;
+                sp[nblk][i] = s;
+                bp[nblk][i] = v >= cnt ? -INFINITY  /* missing rows never win */
+                              : sq_table ? -s * s * row_dot(codes + (r0 + v) * nbytes, sq_table, nbytes) : 0.f;
+            }
+            blk[nblk] = (block_t){tbb, sp[nblk], bp[nblk], r0};
+        }
+        for (int64_t q0 = 0; q0 < nq; q0 += QGROUP) {
+            int nqb = nq - q0 < QGROUP ? (int)(nq - q0) : QGROUP;
+            for (int j = 0; j < nqb; j++) {
+                int64_t q = q0 + j;
+                qg[j] = (query_t){qtab + q * tsize, qmul[q], qadd[q], qoffset ? qoffset[q] : 0.f, res + q};
+            }
+            for (int b = 0; b < nblk; b++) scan(blk + b, qg, nqb, nbytes);
+        }
+    }
+    for (int64_t q = 0; q < nq; q++) {
+        reservoir_t *r = res + q;
+        if (r->n > depth) reservoir_shrink(r, r->tmp);
+        int64_t m = r->n < depth ? r->n : depth;
+        memcpy(cval + q * depth, r->val, sizeof(float) * (size_t)m);
+        memcpy(crow + q * depth, r->row, sizeof(int64_t) * (size_t)m);
+    }
+    free(tb), free(rval), free(rrow), free(res), free(tmp);
+    return 0;
+}
+
+/* Scans code rows [0, n) for nq queries (see the file comment): approximate candidates
+ * (tq_fastscan_candidates), re-scored exactly with the float tables ftab [nq, 2 nbytes, 16] and merged
+ * into heap row rows[i] (i when rows is NULL) of heap_val / heap_ids [*, k], labelled labels[row]
+ * (label_base + row when labels is NULL). Returns 0, or -1 when out of memory. */
+int tq_fastscan(const uint8_t *codes, int64_t n, int64_t nbytes, const float *scale, const float *sq_table,
+                const int64_t *labels, int64_t label_base, int64_t nq, const uint8_t *qtab, const float *qmul,
+                const float *qadd, const float *ftab, const float *qoffset, int64_t depth, const int64_t *rows,
+                int64_t k, float *heap_val, int64_t *heap_ids, int allow_simd) {
+    if (n <= 0 || nq <= 0) return 0;
+    if (depth > n) depth = n;
+    float *cval = malloc(sizeof(float) * (size_t)(nq * depth));
+    int64_t *crow = malloc(sizeof(int64_t) * (size_t)(nq * depth));
+    int status = cval && crow ? tq_fastscan_candidates(codes, n, nbytes, scale, sq_table, nq, qtab, qmul, qadd,
+                                                       qoffset, depth, cval, crow, allow_simd)
+                              : -1;
+    for (int64_t q = 0; status == 0 && q < nq; q++) {
+        const float *ft = ftab + q * 2 * nbytes * 16;
+        float off = qoffset ? qoffset[q] : 0.f;
+        int64_t hrow = rows ? rows[q] : q;
+        float *ev = heap_val + hrow * k;
+        int64_t *ei = heap_ids + hrow * k;
+        for (int64_t j = 0; j < depth; j++) {
+            int64_t v = crow[q * depth + j];
+            if (v < 0) continue;
+            const uint8_t *row = codes + v * nbytes;
+            float s = scale[v];
+            float e = s * row_dot(row, ft, nbytes) + (sq_table ? -s * s * row_dot(row, sq_table, nbytes) : 0.f) + off;
+            if (e > ev[0]) heap_replace_top(ev, ei, k, e, labels ? labels[v] : label_base + v);
+        }
+    }
+    free(cval), free(crow);
+    return status;
+}

@@ -1,0 +1,164 @@
+"""Compiled nibble lookup-table scan of 1/2/4-bit TurboQuantMSE codes (``csrc/fastscan.c``).
+
+Each 4-bit nibble of a packed code row holds whole codes, so a query's score is ``s · Σ_t T[t][nibble_t]``
+over the row's 2·P nibbles (:meth:`LookupTables.nibble_tables`). The kernel quantizes nothing itself:
+:func:`quantize_tables` turns the float tables into uint8 tables plus a per-query affine map, the
+kernel sums 32 rows at a time with byte shuffles (AVX2; a portable C loop elsewhere gives the same
+integers), keeps ``depth`` approximate candidates per query, re-scores them exactly with the float
+tables and merges them into a :class:`~tqindex.index.TopK`. Work is split over ``torch.get_num_threads()``
+threads (by queries, or by rows for a few queries).
+
+The kernel is built by ``pip install`` when a C compiler is present (``native.py``); :func:`available`
+says whether it loaded, and the index falls back to PyTorch scans otherwise. :func:`reference_scores` is the numpy
+reference of the approximate scores (:func:`kernel_candidates` runs that stage alone).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from . import native
+from .codes import Codes
+from .lut import LookupTables
+
+
+def available() -> bool:
+    """True when the compiled kernel loaded (built at install time with a C compiler)."""
+    return native.available()
+
+
+def simd() -> bool:
+    """True when the kernel's AVX2 path serves this CPU (else a portable loop with equal sums)."""
+    return native.available() and bool(native.require().tq_fastscan_simd())
+
+
+def _ptr(t: Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+TABLE_MAX = 127
+"""Largest quantized table entry: a byte's two lookups then add in 8 bits without overflow."""
+
+
+def quantize_tables(tables: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Float tables [m, T, 16] -> (uint8 tables [m, T, 16] in [0, TABLE_MAX], mul [m], add [m]) with
+    ``Σ_t tables[i, t, v_t] ≈ mul[i] · Σ_t u8[i, t, v_t] + add[i]`` (each entry off by at most mul/2)."""
+    low = tables.amin(-1, keepdim=True)  # [m, T, 1]
+    span = tables - low
+    mul = span.amax(dim=(1, 2)) / TABLE_MAX  # [m]
+    mul = torch.where(mul > 0, mul, torch.ones_like(mul))
+    u8 = torch.round(span / mul[:, None, None]).clamp_(0, TABLE_MAX).to(torch.uint8)
+    return u8, mul, low.sum((1, 2))
+
+
+def reference_scores(qdata: np.ndarray, scale: np.ndarray, sq_table: np.ndarray | None, qtab: np.ndarray,
+                     mul: np.ndarray, add: np.ndarray) -> np.ndarray:
+    """Numpy reference of the kernel's approximate scores [nq, n] (float64): qdata uint8 [n, P], scale [n],
+    sq_table [2P, 16] float or None, qtab uint8 [nq, 2P, 16], mul and add [nq]:
+    ``scale · (mul · Σ_p (qtab[2p, lo_p] + qtab[2p+1, hi_p]) + add) - scale² · ||c||²``."""
+    p = np.arange(qdata.shape[1])
+    lo, hi = (qdata & 15).astype(np.int64), (qdata >> 4).astype(np.int64)
+    t = qtab.astype(np.int64)
+    sums = (t[:, 2 * p, lo] + t[:, 2 * p + 1, hi]).sum(-1)  # [nq, n]
+    s = scale.astype(np.float64)
+    out = s * (mul[:, None] * sums + add[:, None])
+    if sq_table is not None:
+        out -= s**2 * (sq_table[2 * p, lo] + sq_table[2 * p + 1, hi]).sum(-1)
+    return out
+
+
+def kernel_candidates(qdata: Tensor, scale: Tensor, sq_table: Tensor | None, tables: "ScanTables", depth: int,
+                      allow_simd: bool = True) -> tuple[Tensor, Tensor]:
+    """The kernel's approximate stage alone: the ``depth`` best approximate scores of qdata uint8 [n, P]
+    (scale float32 [n]) per query -> (scores float32 [m, depth], rows int64 [m, depth]), best first."""
+    lib = native.require()
+    qdata, scale = qdata.contiguous(), scale.float().contiguous()
+    m = tables.quantized.shape[0]
+    val, row = torch.empty(m, depth), torch.empty(m, depth, dtype=torch.int64)
+    status = lib.tq_fastscan_candidates(
+        qdata.data_ptr(), qdata.shape[0], qdata.shape[1], scale.data_ptr(),
+        _ptr(None if sq_table is None else sq_table.contiguous()), m, tables.quantized.data_ptr(),
+        tables.mul.data_ptr(), tables.add.data_ptr(), None, depth, val.data_ptr(), row.data_ptr(), int(allow_simd))
+    if status != 0:
+        raise MemoryError("the scan kernel could not allocate its buffers")
+    val, order = torch.sort(val, dim=1, descending=True)
+    return val, row.gather(1, order)
+
+
+def candidate_depth(k: int) -> int:
+    """Approximate candidates kept per query for an exact top-k: a margin of max(16, k) over k."""
+    return k + max(16, k)
+
+
+@dataclass
+class ScanTables:
+    """Per-query tables for :meth:`FastScan.run` (m queries, T = 2P nibbles)."""
+
+    exact: Tensor  # float32 [m, T, 16]
+    quantized: Tensor  # uint8 [m, T, 16]
+    mul: Tensor  # float32 [m]
+    add: Tensor  # float32 [m]
+
+    def rows(self, rows: Tensor) -> "ScanTables":
+        """The tables of query rows ``rows`` (int64)."""
+        return ScanTables(*(t.index_select(0, rows) for t in (self.exact, self.quantized, self.mul, self.add)))
+
+
+class FastScan:
+    """Scores TurboQuantMSE 1/2/4-bit codes with the compiled kernel into a running top-k."""
+
+    def __init__(self, lut: LookupTables, allow_simd: bool = True) -> None:
+        native.require()
+        self.lut = lut
+        self.allow_simd = allow_simd
+        self.sq = lut.nibble_tables(None).contiguous()  # [T, 16] partial sums of c² ("l2" scores)
+        self.table_bytes = self.sq.numel() * 5
+        """Bytes of one query's tables (float32 + uint8)."""
+
+    def tables(self, qs: Tensor) -> ScanTables:
+        """Tables of rotated queries qs [m, dim] (already doubled for "l2")."""
+        exact = self.lut.nibble_tables(qs.float()).contiguous()
+        return ScanTables(exact, *quantize_tables(exact))
+
+    def run(self, tables: ScanTables, codes: Codes, labels: Tensor, top, rows: Tensor | None, l2: bool,
+            offset: Tensor | None = None) -> None:
+        """Merge the exact top-k of codes [n] (row i labelled ``labels[i]``, int64) into ``top`` (TopK
+        [*, k]); table row i merges into heap row ``rows[i]`` (i when None), plus ``offset[i]``."""
+        n, m = len(codes), tables.exact.shape[0]
+        if n == 0 or m == 0:
+            return
+        qdata, scale = codes.qdata.contiguous(), codes.norm.float().contiguous()
+        labels = labels.contiguous()
+        rows = torch.arange(m) if rows is None else rows.contiguous()
+        offset = None if offset is None else offset.float().contiguous()
+        threads = max(1, min(torch.get_num_threads(), math.ceil(n * m / (1 << 16))))
+        depth = candidate_depth(top.k)
+        sq = self.sq if l2 else None
+
+        def call(r0: int, r1: int, q0: int, q1: int, heap_rows: Tensor, val: Tensor, ids: Tensor) -> int:
+            return native.require().tq_fastscan(
+                qdata[r0:].data_ptr(), r1 - r0, qdata.shape[1], scale[r0:].data_ptr(), _ptr(sq),
+                labels[r0:].data_ptr(), 0, q1 - q0, tables.quantized[q0:].data_ptr(), tables.mul[q0:].data_ptr(),
+                tables.add[q0:].data_ptr(), tables.exact[q0:].data_ptr(),
+                None if offset is None else offset[q0:].data_ptr(), depth, heap_rows[q0:].data_ptr(), top.k,
+                val.data_ptr(), ids.data_ptr(), int(self.allow_simd))
+
+        if threads == 1 or m >= threads:
+            bounds = np.linspace(0, m, threads + 1).astype(int)
+            jobs = [(0, n, int(a), int(b), rows, top.values, top.labels) for a, b in zip(bounds[:-1], bounds[1:])]
+            native.parallel(call, jobs)
+            return
+        # few queries: split the rows, one private top-k per part, merged afterwards
+        bounds = np.linspace(0, n, threads + 1).astype(int)
+        parts = [(torch.full((m, top.k), -math.inf), torch.full((m, top.k), -1, dtype=torch.int64))
+                 for _ in range(threads)]
+        local = torch.arange(m)
+        native.parallel(call, [(int(a), int(b), 0, m, local, v, i)
+                               for (a, b), (v, i) in zip(zip(bounds[:-1], bounds[1:]), parts)])
+        for v, i in parts:
+            top.merge(v, i, rows)

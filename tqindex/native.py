@@ -1,0 +1,66 @@
+"""The compiled CPU kernels (``csrc/``: the nibble lookup-table scan and the Q_mse direction search).
+
+They are built by ``pip install`` when a C compiler is present (``setup.py``) and called through
+ctypes, which releases the GIL, so the kernels run in parallel on a thread pool. :func:`available`
+says whether they loaded; every caller keeps a PyTorch path for when they did not.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+from concurrent.futures import ThreadPoolExecutor
+from functools import cache
+from typing import Any, Callable, Sequence
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+_C = ctypes.c_int
+_SIGNATURES = {
+    "tq_fastscan": (_C, [_P, _I, _I, _P, _P, _P, _I, _I, _P, _P, _P, _P, _P, _I, _P, _I, _P, _P, _C]),
+    "tq_fastscan_candidates": (_C, [_P, _I, _I, _P, _P, _I, _P, _P, _P, _P, _I, _P, _P, _C]),
+    "tq_fastscan_simd": (_C, []),
+    "tq_quantize_direction": (_C, [_P, _I, _I, _P, _I, _P, _P, _I, _P, _P, _P, _C]),
+}
+
+
+@cache
+def library() -> ctypes.CDLL | None:
+    """The kernel library, or None when the extension was not built."""
+    spec = importlib.util.find_spec("tqindex._native")
+    if spec is None or spec.origin is None:
+        return None
+    lib = ctypes.CDLL(spec.origin)
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return lib
+
+
+def available() -> bool:
+    """True when the compiled kernels loaded."""
+    return library() is not None
+
+
+def require() -> ctypes.CDLL:
+    """The kernel library; RuntimeError when it was not built."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("the compiled kernels are not built (reinstall tqindex where a C compiler is available)")
+    return lib
+
+
+@cache
+def _pool(threads: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(threads, thread_name_prefix="tqindex")
+
+
+def parallel(call: Callable[..., int], jobs: Sequence[tuple[Any, ...]]) -> None:
+    """Run ``call(*job)`` for every job (on a thread pool when more than one); each returns a kernel
+    status, and a nonzero one raises MemoryError."""
+    if len(jobs) == 1:
+        status = [call(*jobs[0])]
+    else:
+        status = list(_pool(len(jobs)).map(lambda job: call(*job), jobs))
+    if any(s != 0 for s in status):
+        raise MemoryError("a compiled kernel could not allocate its buffers")
