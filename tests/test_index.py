@@ -59,11 +59,13 @@ def snapshot(index, q: np.ndarray) -> tuple:
 
 @pytest.mark.parametrize("name", ENCODERS)
 @pytest.mark.parametrize("metric", METRICS)
-@pytest.mark.parametrize("nq", [3, 40])  # lookup-table path (few queries) and decode-and-GEMM path
-def test_search_equals_brute_force(name, metric, nq):
+@pytest.mark.parametrize("nq", [3, 40])  # PyTorch paths: lookup tables (few queries) and decode-and-GEMM
+@pytest.mark.parametrize("compiled", [True, False])  # the compiled scan where it serves the encoder
+def test_search_equals_brute_force(name, metric, nq, compiled):
     dim = 50
     x, q = data(600, dim, 1), data(nq, dim, 2)
     index = tq.index_factory(dim, name, metric=metric)
+    index.compiled_scan &= compiled
     index.add(x)
     D, I = index.search(q, 10)
     assert_matches(D, I, brute_scores(index.encoder, metric, x, q), np.arange(600), 10, metric)
@@ -78,6 +80,7 @@ def test_search_across_many_blocks(monkeypatch, dim, nq):
     x, q = data(600, dim, 3), data(nq, dim, 4)
     for metric in METRICS:
         index = tq.FlatIndex(tq.TurboQuantMSE(dim=dim, bits=4), metric=metric)
+        index.compiled_scan = False
         index.add(x[:250])
         index.add(x[250:])
         D, I = index.search(q, 25)
@@ -210,9 +213,11 @@ def test_remove_ids_then_search_skips_them(metric):
 
 @pytest.mark.parametrize("metric", METRICS)
 @pytest.mark.parametrize("nq", [2, 12])
-def test_filtered_search_equals_brute_force_over_allowed(metric, nq):
+@pytest.mark.parametrize("compiled", [True, False])
+def test_filtered_search_equals_brute_force_over_allowed(metric, nq, compiled):
     x, q = data(500, 64), data(nq, 64, 1)
     index = tq.FlatIndex(tq.TurboQuantMSE(dim=64, bits=4), metric=metric)
+    index.compiled_scan &= compiled
     index.add(x, ids=np.arange(500) * 2)
     allowed_rows = np.random.default_rng(3).choice(500, 40, replace=False)
     allow = np.concatenate([allowed_rows * 2, [1, 9999]])  # unknown ids are ignored

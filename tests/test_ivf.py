@@ -48,9 +48,11 @@ def test_all_lists_without_residual_equals_flat(metric, nq):
 
 @pytest.mark.parametrize("metric", METRICS)
 @pytest.mark.parametrize("name, nq", [("tq4", 9), ("tq4", 40), ("tq3-prod", 9), ("fp4", 9)])
-def test_residual_search_equals_brute_force_over_reconstructions(metric, name, nq):
+@pytest.mark.parametrize("compiled", [True, False])
+def test_residual_search_equals_brute_force_over_reconstructions(metric, name, nq, compiled):
     x, q = data(1200, 50, 2), data(nq, 50, 3)
     ivf = trained(metric, True, x, name)
+    ivf.compiled_scan &= compiled
     ivf.add(x)
     _, xhat = reconstructions(ivf, x)
     D, I = ivf.search(q, 15, nprobe=NLIST)

@@ -4,7 +4,9 @@ import pytest
 import torch
 
 import tqindex as tq
+from tqindex import native
 from tqindex.codebooks import lloyd_max
+from tqindex.turboquant import _quantize_direction_native, quantize_direction_reference, search_alphas
 
 from conftest import unit_vectors
 
@@ -80,3 +82,30 @@ def test_bad_options():
         tq.TurboQuantMSE(dim=64, norm_dtype="bfloat8")
     with pytest.raises(ValueError, match="dim"):
         tq.TurboQuantMSE(dim=1)
+
+
+@pytest.mark.skipif(not native.available(), reason="compiled kernels not built")
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+@pytest.mark.parametrize("dim", [7, 50, 130])
+@pytest.mark.parametrize("candidates", [1, 6])
+@pytest.mark.parametrize("simd", [True, False])
+def test_compiled_direction_search_equals_reference(bits, dim, candidates, simd):
+    s = tq.TurboQuantMSE(dim=dim, bits=bits).tensors()
+    c, b = s["centroids"], s["boundaries"]
+    y = unit_vectors(2000, dim, seed=dim + bits)
+    alphas = search_alphas(candidates)
+    idx, dot, sq = _quantize_direction_native(y, c, b, alphas, allow_simd=simd)
+    ref_idx, ref_c = quantize_direction_reference(y, c, b, alphas)
+    got_c = c[idx.long()]
+    cos, ref_cos = (y * got_c).sum(1) / got_c.norm(dim=1), (y * ref_c).sum(1) / ref_c.norm(dim=1)
+    assert (cos >= ref_cos - 1e-6).all()  # the same best code, up to float ties between alphas
+    assert (idx.int() == ref_idx).all(1).float().mean() > 0.99
+    torch.testing.assert_close(dot, (y * got_c).sum(1), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sq, got_c.square().sum(1), rtol=1e-5, atol=1e-6)
+
+
+def test_codebooks_are_symmetric():  # the compiled direction search relies on it
+    for bits in (1, 2, 3, 4, 8):
+        s = tq.TurboQuantMSE(dim=50, bits=bits).tensors()
+        assert torch.equal(s["centroids"], -s["centroids"].flip(0))
+        assert torch.equal(s["boundaries"], -s["boundaries"].flip(0))

@@ -41,6 +41,8 @@ def _ptr(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+MIN_THREAD_SCORES = 1 << 16
+"""A scan uses another thread only for at least this many more (row, query) scores."""
 TABLE_MAX = 127
 """Largest quantized table entry: a byte's two lookups then add in 8 bits without overflow."""
 
@@ -136,7 +138,7 @@ class FastScan:
         labels = labels.contiguous()
         rows = torch.arange(m) if rows is None else rows.contiguous()
         offset = None if offset is None else offset.float().contiguous()
-        threads = max(1, min(torch.get_num_threads(), math.ceil(n * m / (1 << 16))))
+        threads = max(1, min(torch.get_num_threads(), math.ceil(n * m / MIN_THREAD_SCORES)))
         depth = candidate_depth(top.k)
         sq = self.sq if l2 else None
 

@@ -61,9 +61,10 @@ def _quantize_direction(
     return idx, (y * c).sum(-1), c.square().sum(-1)
 
 
-def _quantize_direction_native(y: Tensor, centroids: Tensor, boundaries: Tensor,
-                               alphas: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`_quantize_direction` by the compiled kernel, rows split over torch's thread count."""
+def _quantize_direction_native(y: Tensor, centroids: Tensor, boundaries: Tensor, alphas: Tensor,
+                               allow_simd: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`_quantize_direction` by the compiled kernel (uint8 idx), rows split over torch's thread
+    count; ``allow_simd=False`` runs its portable loop."""
     y, alphas = y.contiguous(), alphas.float().contiguous()
     h = len(centroids) // 2
     levels, bounds = centroids[h:].float().contiguous(), boundaries[h:].float().contiguous()
@@ -77,7 +78,7 @@ def _quantize_direction_native(y: Tensor, centroids: Tensor, boundaries: Tensor,
     def call(a: int, b: int) -> int:
         return lib.tq_quantize_direction(y[a:].data_ptr(), b - a, d, alphas.data_ptr(), len(alphas),
                                          levels.data_ptr(), bounds.data_ptr(), h, idx[a:].data_ptr(),
-                                         dot[a:].data_ptr(), sq[a:].data_ptr(), 1)
+                                         dot[a:].data_ptr(), sq[a:].data_ptr(), int(allow_simd))
 
     native.parallel(call, list(zip(bounds_rows[:-1], bounds_rows[1:])))
     return idx, dot, sq

@@ -1,0 +1,88 @@
+import numpy as np
+import pytest
+import torch
+
+import tqindex as tq
+import tqindex.fastscan as fs
+from tqindex import native
+from tqindex.lut import LookupTables
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="compiled kernels not built")
+
+
+def setup(bits: int, dim: int, n: int, nq: int, l2: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    enc = tq.TurboQuantMSE(dim=dim, bits=bits)
+    codes = enc.encode(torch.randn(n, dim, generator=g) * torch.rand(n, 1, generator=g) * 3)
+    scan = fs.FastScan(LookupTables(enc))
+    qs = enc.prepare_queries(torch.randn(nq, dim, generator=g)) * (2 if l2 else 1)
+    return enc, codes, scan, scan.tables(qs), (scan.sq if l2 else None)
+
+
+def test_quantized_tables_bound_the_error():
+    t = torch.randn(3, 40, 16) * torch.rand(3, 1, 1)
+    u8, mul, add = fs.quantize_tables(t)
+    assert u8.dtype == torch.uint8 and int(u8.max()) <= fs.TABLE_MAX
+    low = t.amin(-1, keepdim=True)
+    err = (u8.float() * mul[:, None, None] + low - t).abs()
+    assert (err <= mul[:, None, None] / 2 + 1e-6).all()
+    torch.testing.assert_close(add, low.sum((1, 2)))
+    u8, mul, add = fs.quantize_tables(torch.ones(1, 4, 16))  # constant tables: all zero, exact offset
+    assert int(u8.max()) == 0 and float(add[0]) == 4.0
+
+
+@pytest.mark.parametrize("bits,dim", [(4, 50), (2, 33), (1, 70), (4, 600)])  # 600: > 256 byte positions
+@pytest.mark.parametrize("l2", [False, True])
+@pytest.mark.parametrize("simd", [True, False])
+def test_candidates_equal_the_numpy_reference(bits, dim, l2, simd):
+    n = 300  # not a multiple of the 32-row blocks
+    enc, codes, scan, tabs, sq = setup(bits, dim, n, 6, l2)
+    scale = codes.norm.float()
+    val, row = fs.kernel_candidates(codes.qdata, scale, sq, tabs, n, allow_simd=simd)
+    assert sorted(row[0].tolist()) == list(range(n))  # depth = n: every row, best first
+    assert (val[:, 1:] <= val[:, :-1]).all()
+    ref = fs.reference_scores(codes.qdata.numpy(), scale.numpy(), None if sq is None else sq.numpy(),
+                              tabs.quantized.numpy(), tabs.mul.double().numpy(), tabs.add.double().numpy())
+    got = np.take_along_axis(ref, row.numpy(), 1)
+    # one unit of the integer sum moves a score by mul * scale: the tolerance is a fraction of that
+    tol = 0.25 * tabs.mul.numpy()[:, None] * scale.numpy()[row.numpy()] + 1e-5 * np.abs(ref).max()
+    assert (np.abs(val.numpy() - got) <= tol).all()
+    # a smaller depth keeps the best approximate scores
+    val20, row20 = fs.kernel_candidates(codes.qdata, scale, sq, tabs, 20, allow_simd=simd)
+    torch.testing.assert_close(val20, val[:, :20])
+
+
+def test_simd_and_portable_loops_agree():
+    if not fs.simd():
+        pytest.skip("no AVX2 on this CPU")
+    _, codes, _, tabs, _ = setup(4, 64, 1000, 9, False)
+    scale = codes.norm.float()
+    a = fs.kernel_candidates(codes.qdata, scale, None, tabs, 1000, allow_simd=True)
+    b = fs.kernel_candidates(codes.qdata, scale, None, tabs, 1000, allow_simd=False)
+    va = torch.empty_like(a[0]).scatter_(1, a[1], a[0])  # scores by row
+    vb = torch.empty_like(b[0]).scatter_(1, b[1], b[0])
+    # the same integer sums; only float rounding (fused or not) differs
+    assert ((va - vb).abs() <= 0.1 * tabs.mul[:, None] * scale).all()
+
+
+@pytest.mark.parametrize("nq", [1, 3, 37])
+@pytest.mark.parametrize("metric", ["ip", "cosine", "l2"])
+def test_compiled_search_equals_pytorch_search(monkeypatch, nq, metric):
+    monkeypatch.setattr(fs, "MIN_THREAD_SCORES", 64)  # split rows (few queries) or queries over threads
+    g = torch.Generator().manual_seed(nq)
+    x, q = torch.randn(5000, 48, generator=g), torch.randn(nq, 48, generator=g)
+    index = tq.index_factory(48, "tq4", metric=metric)
+    index.add(x)
+    D, I = index.search(q, 64)
+    index.compiled_scan = False
+    D0, I0 = index.search(q, 64)
+    assert (I == I0).float().mean() > 0.999  # equal up to exact ties
+    torch.testing.assert_close(D, D0, rtol=1e-5, atol=1e-5)
+
+
+def test_scan_without_kernel(monkeypatch):
+    monkeypatch.setattr(native, "available", lambda: False)
+    index = tq.index_factory(16, "tq4")
+    assert not index.compiled_scan
+    index.add(torch.randn(100, 16))
+    assert index.search(torch.randn(2, 16), 3)[1].shape == (2, 3)
