@@ -61,26 +61,36 @@ typedef struct {
     float *tmp;             /* scratch [2 keep] */
 } reservoir_t;
 
-/* The keep-th largest of v[0, n) (1 <= keep <= n); reorders v (quickselect, Hoare partition). */
-static float kth_largest(float *v, int64_t n, int64_t keep) {
-    int64_t lo = 0, hi = n - 1, want = keep - 1;
-    while (lo < hi) {
-        float pivot = v[lo + (hi - lo) / 2];
-        int64_t i = lo, j = hi;
-        while (i <= j) {
-            while (v[i] > pivot) i++;
-            while (v[j] < pivot) j--;
-            if (i <= j) {
-                float t = v[i];
-                v[i++] = v[j];
-                v[j--] = t;
-            }
-        }
-        if (want <= j) hi = j;
-        else if (want >= i) lo = i;
-        else break;
+/* Moves the entries of v[lo, hi) above pivot (or_equal: at or above) to the front without branching
+ * on the data; returns the end of that front part. */
+static inline int64_t partition_above(float *v, int64_t lo, int64_t hi, float pivot, int or_equal) {
+    int64_t store = lo;
+    for (int64_t i = lo; i < hi; i++) {
+        float x = v[i];
+        int take = (x > pivot) | (or_equal & (x == pivot));
+        v[i] = v[store];
+        v[store] = x;
+        store += take;
     }
-    return v[want];
+    return store;
+}
+
+/* The keep-th largest of v[0, n) (1 <= keep <= n); reorders v (quickselect). */
+static float kth_largest(float *v, int64_t n, int64_t keep) {
+    int64_t lo = 0, hi = n, want = keep - 1;
+    while (hi - lo > 1) {
+        float a = v[lo], b = v[lo + (hi - lo) / 2], c = v[hi - 1];
+        float pivot = a > b ? (b > c ? b : (a > c ? c : a)) : (a > c ? a : (b > c ? c : b));  /* median */
+        int64_t gt = partition_above(v, lo, hi, pivot, 0);
+        if (want < gt) {
+            hi = gt;
+            continue;
+        }
+        int64_t ge = partition_above(v, gt, hi, pivot, 1);  /* the pivot's copies follow the larger ones */
+        if (want < ge) return pivot;
+        lo = ge;
+    }
+    return v[lo];
 }
 
 /* Keeps the `keep` largest entries (ties at the threshold in arrival order) and raises thr to the
