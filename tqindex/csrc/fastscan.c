@@ -250,13 +250,46 @@ int tq_fastscan_simd(void) { return pick_scan(1) != scan_block_generic; }
 
 /* -------------------------------------------------------------------------------------- scanning */
 
+#define SWAP_UNITS(a, b, mask, shift)                            \
+    do {                                                         \
+        uint64_t a_ = (a), b_ = (b);                             \
+        (a) = (a_ & (mask)) | ((b_ << (shift)) & ~(mask));       \
+        (b) = ((a_ >> (shift)) & (mask)) | (b_ & ~(mask));       \
+    } while (0)
+
+/* Transposes an 8 x 8 byte tile held as 8 little-endian words (x[i] byte j -> x[j] byte i). */
+static inline void transpose8(uint64_t *x) {
+    const uint64_t m1 = 0x00FF00FF00FF00FFull, m2 = 0x0000FFFF0000FFFFull, m4 = 0x00000000FFFFFFFFull;
+    SWAP_UNITS(x[0], x[1], m1, 8);
+    SWAP_UNITS(x[2], x[3], m1, 8);
+    SWAP_UNITS(x[4], x[5], m1, 8);
+    SWAP_UNITS(x[6], x[7], m1, 8);
+    SWAP_UNITS(x[0], x[2], m2, 16);
+    SWAP_UNITS(x[1], x[3], m2, 16);
+    SWAP_UNITS(x[4], x[6], m2, 16);
+    SWAP_UNITS(x[5], x[7], m2, 16);
+    SWAP_UNITS(x[0], x[4], m4, 32);
+    SWAP_UNITS(x[1], x[5], m4, 32);
+    SWAP_UNITS(x[2], x[6], m4, 32);
+    SWAP_UNITS(x[3], x[7], m4, 32);
+}
+
 /* Transposes rows [r0, r0 + cnt) (cnt <= BLOCK) of codes [*, nbytes] into tb [nbytes][BLOCK]
- * (missing rows are zero). */
+ * (missing rows are zero), 8 x 8 byte tiles at a time. */
 static void transpose_block(const uint8_t *codes, int64_t nbytes, int64_t r0, int cnt, uint8_t *tb) {
-    if (cnt < BLOCK) memset(tb, 0, (size_t)(nbytes * BLOCK));
-    for (int j = 0; j < cnt; j++) {
-        const uint8_t *row = codes + (r0 + j) * nbytes;
-        for (int64_t p = 0; p < nbytes; p++) tb[p * BLOCK + j] = row[p];
+    for (int g = 0; g < BLOCK; g += 8) {
+        for (int64_t p0 = 0; p0 < nbytes; p0 += 8) {
+            int w = nbytes - p0 < 8 ? (int)(nbytes - p0) : 8, rows = cnt - g < 8 ? cnt - g : 8;
+            uint64_t x[8] = {0};
+            const uint8_t *src = codes + (r0 + g) * nbytes + p0;
+            if (w == 8)
+                for (int i = 0; i < rows; i++) memcpy(&x[i], src + i * nbytes, 8);
+            else
+                for (int i = 0; i < rows; i++)
+                    for (int j = 0; j < w; j++) x[i] |= (uint64_t)src[i * nbytes + j] << (8 * j);
+            transpose8(x);
+            for (int j = 0; j < w; j++) memcpy(tb + (p0 + j) * BLOCK + g, &x[j], 8);
+        }
     }
 }
 
