@@ -28,10 +28,8 @@
 #define CHUNK 256         /* byte positions summed in 16-bit lanes before widening to 32 bits */
 
 /* Row order of the 32 sums a block produces: even rows 0..14, 16..30, then odd rows 1..15, 17..31. */
-static int perm_row(int i) {
-    int g = i >> 3, l = i & 7;
-    return (g & 1) * 16 + 2 * l + (g >> 1);
-}
+static const uint8_t PERM[BLOCK] = {0, 2,  4,  6,  8,  10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
+                                    1, 3,  5,  7,  9,  11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
 
 /* ---------------------------------------------------------------------------------------- heaps */
 
@@ -119,11 +117,11 @@ static inline void reservoir_add(reservoir_t *r, float v, int64_t row) {
 
 /* ----------------------------------------------------------------------------------------- sums */
 
-/* Integer table sums of the 32 rows of one transposed block, in perm_row order.
+/* Integer table sums of the 32 rows of one transposed block, in PERM order.
  * tb: [nbytes][32] code bytes; lut: [2 * nbytes][16] uint8. */
 static void block_sums_generic(const uint8_t *tb, const uint8_t *lut, int64_t nbytes, uint32_t *out) {
     for (int i = 0; i < BLOCK; i++) {
-        int v = perm_row(i);
+        int v = PERM[i];
         uint32_t s = 0;
         for (int64_t p = 0; p < nbytes; p++) {
             uint8_t c = tb[p * BLOCK + v];
@@ -136,8 +134,8 @@ static void block_sums_generic(const uint8_t *tb, const uint8_t *lut, int64_t nb
 /* Everything one block of 32 rows needs to score against a group of queries. */
 typedef struct {
     const uint8_t *tb;      /* [nbytes][32] transposed codes */
-    const float *scale;     /* [32] per-row scale, perm_row order */
-    const float *bias;      /* [32] per-row bias, perm_row order (-inf for missing rows) */
+    const float *scale;     /* [32] per-row scale, PERM order */
+    const float *bias;      /* [32] per-row bias, PERM order (-inf for missing rows) */
     int64_t row0;           /* first row of the block */
 } block_t;
 
@@ -155,14 +153,14 @@ static void scan_block_generic(const block_t *b, const query_t *qs, int nqb, int
         block_sums_generic(b->tb, q->lut, nbytes, s);
         for (int i = 0; i < BLOCK; i++) sc[i] = b->scale[i] * (q->mul * (float)s[i] + q->add) + b->bias[i] + q->off;
         for (int i = 0; i < BLOCK; i++)
-            if (sc[i] > q->res->thr) reservoir_add(q->res, sc[i], b->row0 + perm_row(i));
+            if (sc[i] > q->res->thr) reservoir_add(q->res, sc[i], b->row0 + PERM[i]);
     }
 }
 
 #ifdef TQ_X86
 #define AVX2 __attribute__((target("avx2,fma")))
 
-/* Adds one query's 16-bit accumulators to its 32-bit sums (perm_row order: e0 rows 0, 2, .., 14, e1
+/* Adds one query's 16-bit accumulators to its 32-bit sums (PERM order: e0 rows 0, 2, .., 14, e1
  * rows 16, .., 30, o0 rows 1, .., 15, o1 rows 17, .., 31): a0 sums both bytes of each 16-bit lane
  * (rows 2j, 2j+1; mod 2^16), a1 the high bytes, so the even row's sum is a0 - 256 a1. */
 AVX2 static inline void widen(__m256i a0, __m256i a1, __m256i *e) {
@@ -217,7 +215,7 @@ AVX2 static inline __attribute__((always_inline)) void scan_block_avx2_n(const b
             while (mask) {
                 int i = __builtin_ctz(mask);
                 mask &= mask - 1;
-                if (buf[i] > q->res->thr) reservoir_add(q->res, buf[i], b->row0 + perm_row(i));
+                if (buf[i] > q->res->thr) reservoir_add(q->res, buf[i], b->row0 + PERM[i]);
             }
         }
     }
@@ -274,9 +272,57 @@ static inline void transpose8(uint64_t *x) {
     SWAP_UNITS(x[3], x[7], m4, 32);
 }
 
-/* Transposes rows [r0, r0 + cnt) (cnt <= BLOCK) of codes [*, nbytes] into tb [nbytes][BLOCK]
- * (missing rows are zero), 8 x 8 byte tiles at a time. */
-static void transpose_block(const uint8_t *codes, int64_t nbytes, int64_t r0, int cnt, uint8_t *tb) {
+#ifdef TQ_X86
+#define SWAP_UNITS256(a, b, mask, shift)                                                                   \
+    do {                                                                                                   \
+        __m256i a_ = (a), b_ = (b);                                                                        \
+        (a) = _mm256_or_si256(_mm256_and_si256(a_, mask), _mm256_andnot_si256(mask, _mm256_slli_epi64(b_, shift))); \
+        (b) = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi64(a_, shift), mask), _mm256_andnot_si256(mask, b_)); \
+    } while (0)
+
+/* transpose_block for 32 rows that may be read 8 bytes past their end: the 8 x 8 tiles of the four
+ * row groups sit in the four 64-bit lanes, so a transposed register is one position's 32 bytes. */
+AVX2 static void transpose_block_avx2(const uint8_t *codes, int64_t nbytes, int64_t r0, uint8_t *tb) {
+    const __m256i m1 = _mm256_set1_epi64x(0x00FF00FF00FF00FFll), m2 = _mm256_set1_epi64x(0x0000FFFF0000FFFFll),
+                  m4 = _mm256_set1_epi64x(0x00000000FFFFFFFFll);
+    for (int64_t p0 = 0; p0 < nbytes; p0 += 8) {
+        int w = nbytes - p0 < 8 ? (int)(nbytes - p0) : 8;
+        __m256i x[8];
+        for (int i = 0; i < 8; i++) {
+            const uint8_t *src = codes + (r0 + i) * nbytes + p0;
+            long long a, b, c, d;
+            memcpy(&a, src, 8), memcpy(&b, src + 8 * nbytes, 8), memcpy(&c, src + 16 * nbytes, 8);
+            memcpy(&d, src + 24 * nbytes, 8);
+            x[i] = _mm256_set_epi64x(d, c, b, a);
+        }
+        SWAP_UNITS256(x[0], x[1], m1, 8);
+        SWAP_UNITS256(x[2], x[3], m1, 8);
+        SWAP_UNITS256(x[4], x[5], m1, 8);
+        SWAP_UNITS256(x[6], x[7], m1, 8);
+        SWAP_UNITS256(x[0], x[2], m2, 16);
+        SWAP_UNITS256(x[1], x[3], m2, 16);
+        SWAP_UNITS256(x[4], x[6], m2, 16);
+        SWAP_UNITS256(x[5], x[7], m2, 16);
+        SWAP_UNITS256(x[0], x[4], m4, 32);
+        SWAP_UNITS256(x[1], x[5], m4, 32);
+        SWAP_UNITS256(x[2], x[6], m4, 32);
+        SWAP_UNITS256(x[3], x[7], m4, 32);
+        for (int j = 0; j < w; j++) _mm256_storeu_si256((__m256i *)(tb + (p0 + j) * BLOCK), x[j]);
+    }
+}
+#endif
+
+/* Transposes rows [r0, r0 + cnt) (cnt <= BLOCK) of codes [*, n_all rows, nbytes] into tb
+ * [nbytes][BLOCK] (missing rows are zero), 8 x 8 byte tiles at a time. */
+static void transpose_block(const uint8_t *codes, int64_t nbytes, int64_t r0, int cnt, int64_t n_all, int simd,
+                            uint8_t *tb) {
+#ifdef TQ_X86
+    if (simd && cnt == BLOCK && (r0 + BLOCK) * nbytes + 8 <= n_all * nbytes) {
+        transpose_block_avx2(codes, nbytes, r0, tb);
+        return;
+    }
+#endif
+    (void)simd, (void)n_all;
     for (int g = 0; g < BLOCK; g += 8) {
         for (int64_t p0 = 0; p0 < nbytes; p0 += 8) {
             int w = nbytes - p0 < 8 ? (int)(nbytes - p0) : 8, rows = cnt - g < 8 ? cnt - g : 8;
@@ -314,6 +360,7 @@ int tq_fastscan_candidates(const uint8_t *codes, int64_t n, int64_t nbytes, cons
     for (int64_t i = 0; i < nq * depth; i++) cval[i] = -INFINITY, crow[i] = -1;
     if (n <= 0 || nq <= 0 || depth <= 0) return 0;
     scan_fn scan = pick_scan(allow_simd);
+    int simd = scan != scan_block_generic;
     const int64_t tsize = 2 * nbytes * 16;
     uint8_t *tb = malloc((size_t)(GROUP * BLOCK * nbytes));
     float *rval = malloc(sizeof(float) * (size_t)(2 * nq * depth));
@@ -335,9 +382,9 @@ int tq_fastscan_candidates(const uint8_t *codes, int64_t n, int64_t nbytes, cons
             int64_t r0 = g0 + nblk * BLOCK;
             int cnt = n - r0 < BLOCK ? (int)(n - r0) : BLOCK;
             uint8_t *tbb = tb + nblk * BLOCK * nbytes;
-            transpose_block(codes, nbytes, r0, cnt, tbb);
+            transpose_block(codes, nbytes, r0, cnt, n, simd, tbb);
             for (int i = 0; i < BLOCK; i++) {
-                int v = perm_row(i);
+                int v = PERM[i];
                 float s = v < cnt ? scale[r0 + v] : 0.f;
                 sp[nblk][i] = s;
                 bp[nblk][i] = v >= cnt ? -INFINITY  /* missing rows never win */
