@@ -127,40 +127,42 @@ class FastScan:
         exact = self.lut.nibble_tables(qs.float()).contiguous()
         return ScanTables(exact, *quantize_tables(exact))
 
-    def run(self, tables: ScanTables, codes: Codes, labels: Tensor, top, rows: Tensor | None, l2: bool,
+    def run(self, tables: ScanTables, codes: Codes, labels: Tensor | int, top, rows: Tensor | None, l2: bool,
             offset: Tensor | None = None) -> None:
-        """Merge the exact top-k of codes [n] (row i labelled ``labels[i]``, int64) into ``top`` (TopK
-        [*, k]); table row i merges into heap row ``rows[i]`` (i when None), plus ``offset[i]``."""
+        """Merge the exact top-k of codes [n] into ``top`` (a TopK [*, k]). Row i is labelled
+        ``labels[i]`` (int64 tensor) or ``labels + i`` (int); table row j merges into heap row ``rows[j]``
+        (j when None), its scores plus ``offset[j]``."""
         n, m = len(codes), tables.exact.shape[0]
         if n == 0 or m == 0:
             return
+        lib = native.require()
         qdata, scale = codes.qdata.contiguous(), codes.norm.float().contiguous()
-        labels = labels.contiguous()
-        rows = torch.arange(m) if rows is None else rows.contiguous()
+        base, labels = (labels, None) if isinstance(labels, int) else (0, labels.contiguous())
+        rows = None if rows is None else rows.contiguous()
         offset = None if offset is None else offset.float().contiguous()
         threads = max(1, min(torch.get_num_threads(), math.ceil(n * m / MIN_THREAD_SCORES)))
-        depth = candidate_depth(top.k)
-        sq = self.sq if l2 else None
+        depth, k, sq = candidate_depth(top.k), top.k, self.sq if l2 else None
 
-        def call(r0: int, r1: int, q0: int, q1: int, heap_rows: Tensor, val: Tensor, ids: Tensor) -> int:
-            return native.require().tq_fastscan(
+        def call(r0: int, r1: int, q0: int, q1: int, heap_rows: Tensor | None, val: Tensor, ids: Tensor) -> int:
+            """Rows [r0, r1) against table rows [q0, q1), merged into heap rows heap_rows[q0:q1] (val/ids
+            rows q0.. when None)."""
+            hv, hi = (val, ids) if heap_rows is not None else (val[q0:], ids[q0:])
+            return lib.tq_fastscan(
                 qdata[r0:].data_ptr(), r1 - r0, qdata.shape[1], scale[r0:].data_ptr(), _ptr(sq),
-                labels[r0:].data_ptr(), 0, q1 - q0, tables.quantized[q0:].data_ptr(), tables.mul[q0:].data_ptr(),
-                tables.add[q0:].data_ptr(), tables.exact[q0:].data_ptr(),
-                None if offset is None else offset[q0:].data_ptr(), depth, heap_rows[q0:].data_ptr(), top.k,
-                val.data_ptr(), ids.data_ptr(), int(self.allow_simd))
+                None if labels is None else labels[r0:].data_ptr(), base + r0, q1 - q0,
+                tables.quantized[q0:].data_ptr(), tables.mul[q0:].data_ptr(), tables.add[q0:].data_ptr(),
+                tables.exact[q0:].data_ptr(), None if offset is None else offset[q0:].data_ptr(), depth,
+                None if heap_rows is None else heap_rows[q0:].data_ptr(), k, hv.data_ptr(), hi.data_ptr(),
+                int(self.allow_simd))
 
-        if threads == 1 or m >= threads:
-            bounds = np.linspace(0, m, threads + 1).astype(int)
-            jobs = [(0, n, int(a), int(b), rows, top.values, top.labels) for a, b in zip(bounds[:-1], bounds[1:])]
-            native.parallel(call, jobs)
+        if threads == 1 or m >= threads:  # split the queries
+            cuts = np.linspace(0, m, threads + 1).astype(int).tolist()
+            native.parallel(call, [(0, n, a, b, rows, top.values, top.labels) for a, b in zip(cuts[:-1], cuts[1:])])
             return
         # few queries: split the rows, one private top-k per part, merged afterwards
-        bounds = np.linspace(0, n, threads + 1).astype(int)
-        parts = [(torch.full((m, top.k), -math.inf), torch.full((m, top.k), -1, dtype=torch.int64))
-                 for _ in range(threads)]
-        local = torch.arange(m)
-        native.parallel(call, [(int(a), int(b), 0, m, local, v, i)
-                               for (a, b), (v, i) in zip(zip(bounds[:-1], bounds[1:]), parts)])
+        cuts = np.linspace(0, n, threads + 1).astype(int).tolist()
+        parts = [(torch.full((m, k), -math.inf), torch.full((m, k), -1, dtype=torch.int64)) for _ in range(threads)]
+        native.parallel(call, [(a, b, 0, m, None, v, i) for a, b, (v, i) in zip(cuts[:-1], cuts[1:], parts)])
+        merge_rows = torch.arange(m) if rows is None else rows
         for v, i in parts:
-            top.merge(v, i, rows)
+            top.merge(v, i, merge_rows)

@@ -212,7 +212,7 @@ class BlockScan:
                 self._fast_tables if rows is None else self._fast_tables.rows(rows))
             if select is not None:
                 codes = codes[select]
-            labels = torch.arange(label_base, label_base + n) if select is None else select + label_base
+            labels = label_base if select is None else select + label_base
             self.fast.run(tables, codes, labels, self.top, rows, self.l2, offset)
             if self.bar is not None:
                 self.bar.update(m * n)
