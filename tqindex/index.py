@@ -1,9 +1,10 @@
 """FlatIndex (exhaustive search over codes) and what every index shares: ids, validation, block scan,
 running top-k, re-ranking and file state.
 
-The database is held only as codes (plus int64 ids). Queries are rotated once; the codes are scanned
-in blocks: a block is decoded in the rotated domain and multiplied with all queries (one float32
-GEMM), or, for a few queries on 1/2/4-bit TurboQuantMSE codes, scored by byte lookup tables
+The database is held only as codes (plus int64 ids). Queries are rotated once; then either the
+compiled nibble lookup-table scan (``fastscan.py``: 1/2/4-bit TurboQuantMSE codes, any number of
+queries) or a PyTorch scan runs: blocks of codes are decoded in the rotated domain and multiplied
+with all queries (one float32 GEMM), or, for a few queries, scored by byte lookup tables
 (``lut.py``). A running top-k is merged per block, so no [nq, ntotal] score matrix is ever built.
 
 Inside, scores are "larger is better": ``<q, x̂>`` for "ip" and "cosine", and for "l2"
@@ -168,9 +169,10 @@ class BlockScan:
     """Scores runs of codes against prepared queries, block by block, into a :class:`TopK`.
 
     ``qs`` [nq, dim] are the rotated queries ``R q`` ("ip"/"cosine") or ``2 R q`` ("l2": a code then
-    scores ``2<q, x̂> - ||x̂||² = ||q||² - ||q - x̂||²``). Codes are decoded DECODE_ELEMENTS coordinates
-    at a time and multiplied with the queries in [r, TILE_BYTES / 4r] score tiles; up to
-    LUT_MAX_QUERIES queries on TurboQuantMSE 1/2/4-bit codes are scored by lookup tables instead.
+    scores ``2<q, x̂> - ||x̂||² = ||q||² - ||q - x̂||²``). With ``fast`` (the compiled scan) every run
+    goes to it. Otherwise codes are decoded DECODE_ELEMENTS coordinates at a time and multiplied with
+    the queries in [r, TILE_BYTES / 4r] score tiles; up to LUT_MAX_QUERIES queries on TurboQuantMSE
+    1/2/4-bit codes are scored by byte lookup tables instead.
     """
 
     encoder: Encoder
