@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from tqindex.metrics import recall_at, recall_curve
+from tqindex.metrics import recall_at, recall_by_score, recall_curve
 
 
 def test_recall_at_1_counts_true_top1_among_k():
@@ -62,3 +62,14 @@ def test_recall_bad_inputs():
         recall_at(np.zeros(3, np.int64), np.zeros((3, 1), np.int64))
     with pytest.raises(TypeError, match="integer"):
         recall_at(np.zeros((2, 3)), np.zeros((2, 1), np.int64))
+
+
+def test_recall_by_score_counts_ties_and_caps_at_r():
+    true = np.array([[0.9, 0.8, 0.7], [0.5, 0.5, 0.1]])
+    found = np.array([[0.8, 0.9, -np.inf], [0.5, 0.4, 0.3]])  # row 1 returned a duplicate of the best
+    assert recall_by_score(found, true, 1, 1) == pytest.approx(0.5)  # row 0's first result is 2nd best
+    assert recall_by_score(found, true, 1, 2) == pytest.approx(1.0)
+    assert recall_by_score(found, true, 2, 2) == pytest.approx((2 / 2 + 1 / 2) / 2)
+    assert recall_by_score(found, true, 1, 1, tol=0.2) == pytest.approx(1.0)  # within tolerance
+    with pytest.raises(ValueError, match="k must"):
+        recall_by_score(found, true, 1, 4)

@@ -1,4 +1,4 @@
-"""Search quality metrics on result ids (pure NumPy), shared by tests and benchmarks."""
+"""Search quality metrics on result ids or exact scores (pure NumPy), shared by tests and benchmarks."""
 
 from __future__ import annotations
 
@@ -56,3 +56,25 @@ def recall_curve(I: np.ndarray, gt: np.ndarray,
     if ks is None:
         ks = [2**i for i in range(int(np.log2(max(I.shape[1], 1))) + 1)]
     return {int(k): recall_at(I, gt, 1, int(k)) for k in ks}
+
+
+def recall_by_score(found: np.ndarray, true: np.ndarray, r: int = 1, k: int | None = None,
+                    tol: float = 1e-5) -> float:
+    """recall@r@k from exact scores, so that exact ties (duplicate vectors) count as found.
+
+    found: [nq, >=k] exact scores (larger is better, e.g. inner product or minus squared distance) of
+    the returned ids, best first, -inf for padding; true: [nq, >=r] exact scores of the true
+    neighbours, best first. A returned vector counts when its score is at least the r-th true score
+    minus ``tol · max(1, |that score|)`` (the ann-benchmarks rule); a query scores min(count, r) / r.
+    """
+    found, true = np.asarray(found, np.float64), np.asarray(true, np.float64)
+    k = found.shape[1] if k is None else k
+    if found.ndim != 2 or true.ndim != 2 or found.shape[0] != true.shape[0]:
+        raise ValueError(f"found and true must be [nq, *] with the same nq, got {found.shape} and {true.shape}")
+    if not 1 <= k <= found.shape[1]:
+        raise ValueError(f"k must be in [1, {found.shape[1]}] (columns of found), got {k}")
+    if not 1 <= r <= true.shape[1]:
+        raise ValueError(f"r must be in [1, {true.shape[1]}] (columns of true), got {r}")
+    bar = true[:, r - 1 : r]
+    hits = (found[:, :k] >= bar - tol * np.maximum(1.0, np.abs(bar))).sum(1)
+    return float(np.mean(np.minimum(hits, r) / r))
