@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Exhaustive (flat) ANN search over 1-4 bit codes: tqindex against faiss and turbovec.
 
-For every bit width b, each tqindex encoder at b bits ("tq{b}", "tq{b}-norm", "tq{b}-prod", "fp4" at
-b = 4, plus "tq{b}(rescale=...)" for per-vector scale modes no registry name selects) in a
+For every bit width b, each tqindex encoder at b bits ("tq{b}", "tq{b}-norm", "tq{b}-prod", "tq{b}-pca"
+(trained on the base vectors), "fp4" at b = 4, plus "tq{b}(rescale=...)" for per-vector scale modes no registry name selects) in a
 :class:`tqindex.FlatIndex`, and the baselines of ``_baselines.py`` at the same bits or
 bytes (faiss TurboQuant scalar quantizers, EDEN, RaBitQ, RaBitQ FastScan, PQ and PQ FastScan sized
 to tqindex's bytes per vector, classic SQ4, turbovec), are built on the same base vectors and
@@ -58,7 +58,8 @@ QUICK_METHODS = r"^tq\d(-norm)?$,tqmse,eden\d$,rabitq-fs,pq-fs,^turbovec\d$"
 
 class TQMethod(B.Baseline):
     """A tqindex FlatIndex over one registry encoder (with optional configuration overrides, then
-    named ``"encoder(field=value)"``); build time includes making the encoder."""
+    named ``"encoder(field=value)"``); build time includes making (and, for learned encoders such as
+    "tq{b}-pca", training) the encoder."""
 
     def __init__(self, encoder: str, dim: int, bits: int, metric: str, **overrides: Any) -> None:
         enc = tq.make_encoder(encoder, dim, **overrides)
@@ -73,6 +74,9 @@ class TQMethod(B.Baseline):
     def build(self, x: np.ndarray) -> None:
         enc = tq.make_encoder(self.encoder, self.dim, **self.overrides)
         self.index = tq.FlatIndex(enc, metric=self.metric)
+        if not enc.is_trained:
+            self.index.train(x)
+            self.code_size = enc.code_size
         self.index.add(x, progress=False)
 
     def search(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

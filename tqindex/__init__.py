@@ -6,6 +6,7 @@ from .fp4 import FP4UE8M0
 from .index import FlatIndex, index_factory
 from .io import load_index, read_header
 from .ivf import IVFIndex
+from .pca import TurboQuantPCA
 from .rotation import Rotation
 from .turboquant import TurboQuantMSE, TurboQuantProd
 
@@ -19,6 +20,7 @@ __all__ = [
     "IVFIndex",
     "Rotation",
     "TurboQuantMSE",
+    "TurboQuantPCA",
     "TurboQuantProd",
     "encoder_from_dict",
     "encoder_names",

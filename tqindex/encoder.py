@@ -115,6 +115,14 @@ class Encoder(ABC):
         return self._rotations[device]
 
     @property
+    def is_trained(self) -> bool:
+        """False while the encoder still needs :meth:`train` (only learned encoders do)."""
+        return True
+
+    def train(self, x: Any) -> None:
+        """Fit the encoder to vectors x [n, dim]; data-oblivious encoders need nothing and ignore it."""
+
+    @property
     @abstractmethod
     def code_size(self) -> int:
         """Exact bytes per encoded vector (codes + side data)."""

@@ -277,12 +277,20 @@ class BaseIndex(ABC):
         self.vectors_dtype = vectors_dtype
         self.rerank_factor = rerank_factor
         self._lists = [CodeList() for _ in range(nlists)]
-        self._lut = LookupTables(encoder) if lut_supported(encoder) else None
-        self._fast = FastScan(self._lut) if self._lut is not None and fastscan_available() else None
-        # Score 1/2/4-bit TurboQuantMSE codes with the compiled kernel (False: the PyTorch scans).
-        self.compiled_scan = self._fast is not None
+        # Score 1/2/4-bit codes with the compiled kernel where it is built (False: the PyTorch scans).
+        self.compiled_scan = fastscan_available()
+        self._scan_tools()
         self._id_cache: tuple = (None,)
         self._next_id = 0
+
+    def _scan_tools(self) -> None:
+        """Lookup tables and the compiled scan for the encoder, where they serve it (once it is trained)."""
+        self._lut = LookupTables(self.encoder) if lut_supported(self.encoder) else None
+        self._fast = FastScan(self._lut) if self._lut is not None and fastscan_available() else None
+
+    def _check_trained(self) -> None:
+        if not self.encoder.is_trained:
+            raise ValueError(f"the encoder {type(self.encoder).__name__} must be trained first: call index.train(x)")
 
     # -- properties ---------------------------------------------------------------------------------
     @property
@@ -318,6 +326,7 @@ class BaseIndex(ABC):
         """Add vectors x [n, dim] (numpy or torch float) with int64 ``ids`` [n] (default: the ids after
         the largest one so far, i.e. ``ntotal, ntotal+1, ...`` for an index that never had ids given
         or removed). Invalid input raises and leaves the index unchanged; so does an interrupt."""
+        self._check_trained()
         xt = self._vectors_in(x, "x", allow_empty=False)
         n = xt.shape[0]
         new_ids = self._new_ids(ids, n)
@@ -373,6 +382,7 @@ class BaseIndex(ABC):
     def _search(self, q: Any, k: int, allow: Any, progress: bool | None, opts: dict[str, Any]) -> tuple[Any, Any]:
         """:meth:`search` with subclass scan options ``opts`` (passed to :meth:`_scan`, :meth:`_search_work`)."""
         k = check_int(k, "k", 1)
+        self._check_trained()
         qt = self._vectors_in(q, "q", allow_empty=True)
         allowed = None if allow is None else torch.from_numpy(np.unique(_int_array(allow, "allow")))
         depth = k * self.rerank_factor if self.keep_vectors else k
@@ -583,6 +593,17 @@ class FlatIndex(BaseIndex):
     def __init__(self, encoder: Encoder, metric: str = "ip", keep_vectors: bool = False,
                  vectors_dtype: str = "float32", rerank_factor: int = 4) -> None:
         super().__init__(encoder, metric, keep_vectors, vectors_dtype, rerank_factor, nlists=1)
+
+    def train(self, x: Any) -> None:
+        """Fit a learned encoder (TurboQuantPCA) to vectors x [n, dim]; others need no training."""
+        if self.ntotal:
+            raise ValueError(f"train must come before add: the index already holds {self.ntotal} vectors")
+        self.encoder.train(self._vectors_in(x, "x", allow_empty=False))
+        self._scan_tools()
+
+    @property
+    def is_trained(self) -> bool:
+        return self.encoder.is_trained
 
     def _scan(self, scan: BlockScan, q: Tensor, allowed: Tensor | None) -> None:
         lst = self._lists[0]

@@ -79,11 +79,15 @@ class IVFIndex(BaseIndex):
         if len(xt) < self.nlist:
             raise ValueError(f"train needs at least nlist={self.nlist} vectors, got {len(xt)}")
         spherical = self.metric != "l2"
-        if self.metric == "ip":
-            xt = torch.nn.functional.normalize(xt, dim=1)
+        xk = torch.nn.functional.normalize(xt, dim=1) if self.metric == "ip" else xt
         km = faiss.Kmeans(self.dim, self.nlist, niter=self.niter, seed=self.seed, spherical=spherical, verbose=False)
-        km.train(np.ascontiguousarray(xt.numpy()))
-        self._set_centroids(torch.from_numpy(km.centroids.astype(np.float32)))
+        km.train(np.ascontiguousarray(xk.numpy()))
+        centroids = torch.from_numpy(km.centroids.astype(np.float32))
+        if not self.encoder.is_trained:  # a learned encoder fits what the lists will hold
+            _, near = km.index.search(np.ascontiguousarray(xk.numpy()), 1)
+            self.encoder.train(xt - centroids[torch.from_numpy(near[:, 0])] if self.by_residual else xt)
+            self._scan_tools()
+        self._set_centroids(centroids)
 
     def search(self, q: Any, k: int, allow: Any = None, progress: bool | None = None,
                nprobe: int | None = None) -> tuple[Any, Any]:

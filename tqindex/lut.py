@@ -19,17 +19,19 @@ from torch import Tensor
 from .codes import Codes
 from .encoder import Encoder
 from .packing import packed_size, unpack
-from .turboquant import TurboQuantMSE
 
 LUT_BITS = (1, 2, 4)
 
 
 def lut_supported(encoder: Encoder) -> bool:
-    """True when :class:`LookupTables` can score ``encoder``'s codes (TurboQuantMSE with 1, 2 or 4 bits)."""
-    return isinstance(encoder, TurboQuantMSE) and encoder.bits in LUT_BITS
+    """True when :class:`LookupTables` can score ``encoder``'s codes: a trained encoder with code runs
+    (``segments()``: TurboQuantMSE, TurboQuantPCA) of 1, 2 or 4 bits (or 0, stored as nothing)."""
+    if not hasattr(encoder, "segments") or not encoder.is_trained:
+        return False
+    return all(w in LUT_BITS or w == 0 for _, w, _ in encoder.segments())
 
 
-def lut_scores(encoder: TurboQuantMSE, qr: Tensor, codes: Codes) -> Tensor:
+def lut_scores(encoder: Encoder, qr: Tensor, codes: Codes) -> Tensor:
     """``encoder.score_prepared(qr, codes)`` by table lookup.
 
     qr: [m, dim] float32 rotated queries (``encoder.prepare_queries``); codes: Codes [n] on the same
@@ -42,15 +44,19 @@ def lut_scores(encoder: TurboQuantMSE, qr: Tensor, codes: Codes) -> Tensor:
 class LookupTables:
     """Builds per-query byte tables for one encoder and scores codes with them."""
 
-    def __init__(self, encoder: TurboQuantMSE, device: torch.device | str = "cpu") -> None:
+    def __init__(self, encoder: Encoder, device: torch.device | str = "cpu") -> None:
         if not lut_supported(encoder):
-            raise ValueError(f"lookup tables need TurboQuantMSE with bits in {LUT_BITS}, got {encoder!r}")
+            raise ValueError(f"lookup tables need codes of {LUT_BITS} bits per coordinate (TurboQuantMSE, "
+                             f"TurboQuantPCA), got {encoder!r}")
         self.dim = encoder.dim
-        self.per_nibble = 4 // encoder.bits  # codes per nibble
-        self.nbytes = packed_size(self.dim, encoder.bits)  # P: packed bytes per vector
-        nibbles = unpack(torch.arange(16, dtype=torch.uint8, device=device)[:, None], encoder.bits, self.per_nibble)
-        centroids = encoder.tensors()["centroids"].to(device)
-        self.levels = centroids[nibbles.int()]  # [16, per_nibble]: code values of each nibble value
+        self.runs = []  # (first coordinate, coordinates, codes per nibble, packed bytes, levels [16, per nibble])
+        start = 0
+        for n, w, centroids in encoder.segments():
+            if w:
+                nibbles = unpack(torch.arange(16, dtype=torch.uint8, device=device)[:, None], w, 4 // w)
+                self.runs.append((start, n, 4 // w, packed_size(n, w), centroids.to(device)[nibbles.int()]))
+            start += n
+        self.nbytes = sum(r[3] for r in self.runs)  # P: packed bytes per vector
         self.offsets = torch.arange(0, 256 * self.nbytes, 256, dtype=torch.int32, device=device)  # [P]
         self.sq_tables = self._bytes(self.nibble_tables(None)[None])  # [P, 256, 1]: sums of c²
 
@@ -58,11 +64,14 @@ class LookupTables:
         """Nibble tables of rotated queries q [m, dim] -> [m, 2P, 16]: entry ``[i, t, v]`` is the partial
         inner product of q[i] with the codes of nibble value v at nibble t (t = 2p: low nibble of byte p,
         2p + 1: high nibble). ``q=None`` gives the partial sums of ``c²`` ([2P, 16]). Coordinates past
-        ``dim`` (the padding of the last byte) get zero weight."""
-        levels = self.levels if q is not None else self.levels.square()
-        w = q if q is not None else torch.ones(1, self.dim, device=levels.device)
-        w = F.pad(w, (0, 2 * self.nbytes * self.per_nibble - self.dim)).reshape(len(w), -1, self.per_nibble)
-        t = w @ levels.T  # [m, 2P, 16]
+        a run's end (the padding of its last byte) get zero weight."""
+        parts = []
+        for start, n, per_nibble, nbytes, levels in self.runs:
+            lv = levels if q is not None else levels.square()
+            w = q[:, start : start + n] if q is not None else torch.ones(1, n, device=levels.device)
+            w = F.pad(w, (0, 2 * nbytes * per_nibble - n)).reshape(len(w), -1, per_nibble)
+            parts.append(w @ lv.T)  # [m, 2 nbytes, 16]
+        t = torch.cat(parts, 1)
         return t if q is not None else t[0]
 
     def tables(self, qr: Tensor, sqnorm: bool = False) -> Tensor:

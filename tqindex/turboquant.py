@@ -160,6 +160,10 @@ class TurboQuantMSE(Encoder):
     def _expected_qdata_bytes(self) -> int:
         return packed_size(self.dim, self.bits)
 
+    def segments(self) -> list[tuple[int, int, Tensor]]:
+        """(coordinates, bits, levels) of each run of codes in qdata order: here one run."""
+        return [(self.dim, self.bits, self._state["centroids"])]
+
     def _encode(self, x: Tensor) -> Codes:
         s = self._on(x.device)
         n, u = _unit_rows(x)

@@ -1,0 +1,93 @@
+import numpy as np
+import pytest
+import torch
+
+import tqindex as tq
+from tqindex.pca import PCA_WIDTHS, allocate
+from test_index import METRICS, assert_matches, brute_scores
+
+
+def anisotropic(n: int, dim: int, seed: int = 0) -> np.ndarray:
+    """Vectors whose energy decays over a random basis (like text embeddings), float32 [n, dim]."""
+    rng = np.random.default_rng(seed)
+    basis = np.linalg.qr(rng.standard_normal((dim, dim)))[0]
+    scales = np.exp(-np.arange(dim) / (dim / 6))
+    return ((rng.standard_normal((n, dim)) * scales) @ basis.T + 0.3 * basis[:, 0]).astype(np.float32)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_allocation_spends_the_budget_on_the_largest_variances(bits):
+    groups = allocate(np.exp(-np.arange(96) / 16), bits)
+    widths = [w for n, w in groups for _ in range(n)]
+    assert len(widths) == 96 and set(widths) <= set(PCA_WIDTHS)
+    assert sum(widths) <= 96 * bits and sum(widths) > 96 * bits - 8 * max(PCA_WIDTHS)
+    assert widths == sorted(widths, reverse=True)  # more bits for larger variances
+    assert widths[0] > widths[-1] or bits == max(PCA_WIDTHS)
+    assert allocate(np.ones(64), 2) == [[64, 2]]  # isotropic: the plain width
+
+
+def test_trained_codes_beat_random_rotation_at_equal_bytes():
+    x = torch.from_numpy(anisotropic(3000, 64))
+    pca = tq.make_encoder("tq2-pca", 64)
+    assert not pca.is_trained
+    pca.train(x)
+    plain = tq.make_encoder("tq2", 64)
+    assert pca.is_trained and pca.code_size <= plain.code_size
+
+    def error(enc):
+        return float(((enc.decode(enc.encode(x)) - x) ** 2).sum() / (x**2).sum())
+
+    assert error(pca) < 0.7 * error(plain)
+    q = x[:50]
+    torch.testing.assert_close(pca.score(q, pca.encode(x)), q @ pca.decode(pca.encode(x)).T, rtol=1e-4, atol=1e-4)
+
+
+def test_untrained_encoder_and_index_raise_clearly():
+    enc = tq.make_encoder("tq2-pca", 32)
+    with pytest.raises(ValueError, match="trained"):
+        enc.encode(torch.randn(2, 32))
+    index = tq.FlatIndex(enc)
+    with pytest.raises(ValueError, match="train"):
+        index.add(np.ones((3, 32), np.float32))
+    with pytest.raises(ValueError, match="train"):
+        index.search(np.ones((1, 32), np.float32), 1)
+    assert index.ntotal == 0
+    with pytest.raises(ValueError, match="at least 2"):
+        enc.train(torch.randn(1, 32))
+    with pytest.raises(ValueError, match="groups"):
+        tq.TurboQuantPCA(dim=32, groups=[[16, 4], [8, 3], [8, 0]])
+    with pytest.raises(ValueError, match="budget"):
+        tq.TurboQuantPCA(dim=32, bits=2, groups=[[32, 4]])
+
+
+@pytest.mark.parametrize("metric", METRICS)
+@pytest.mark.parametrize("compiled", [True, False])
+def test_flat_search_equals_brute_force_and_survives_save_load(tmp_path, metric, compiled):
+    x, q = anisotropic(800, 48), anisotropic(9, 48, 1)
+    index = tq.index_factory(48, "tq2-pca", metric=metric)
+    index.compiled_scan &= compiled
+    index.train(x)
+    index.add(x)
+    D, I = index.search(q, 10)
+    assert_matches(D, I, brute_scores(index.encoder, metric, x, q), np.arange(800), 10, metric)
+    with pytest.raises(ValueError, match="before add"):
+        index.train(x)
+    index.save(tmp_path / "pca.tqi")
+    loaded = tq.load_index(tmp_path / "pca.tqi")
+    assert loaded.encoder.groups == index.encoder.groups
+    D2, I2 = loaded.search(q, 10)
+    np.testing.assert_array_equal(I2, I)
+    np.testing.assert_array_equal(D2, D)
+
+
+@pytest.mark.parametrize("by_residual", [False, True])
+def test_ivf_trains_the_encoder_on_what_it_stores(by_residual):
+    x, q = anisotropic(1200, 32), anisotropic(7, 32, 1)
+    index = tq.IVFIndex(tq.make_encoder("tq2-pca", 32), 8, by_residual=by_residual)
+    index.train(x)
+    assert index.encoder.is_trained
+    index.add(x)
+    D, I = index.search(q, 5, nprobe=8)
+    if not by_residual:
+        assert_matches(D, I, brute_scores(index.encoder, "ip", x, q), np.arange(1200), 5, "ip")
+    assert (I >= 0).all()

@@ -1,0 +1,229 @@
+"""TurboQuantPCA: TurboQuant codes in a basis learned from the data, with bits where the variance is.
+
+A random rotation spreads every direction's energy evenly, which is optimal for isotropic data but
+wastes bits on anisotropic embeddings (a few principal directions hold most of the energy). This
+encoder is trained once: ``train(x)`` takes the principal axes of the unit rows (second moment, no
+centering), splits them, in order of decreasing variance, into groups of 8 and gives each group a
+width of 0, 1, 2 or 4 bits per coordinate (greedy reverse water-filling under the budget
+``dim · bits``, with the Lloyd-Max distortions of each width), then rotates each group of equal width
+by a seeded Haar rotation. Coordinates of group g use the Lloyd-Max codebook for dimension
+``size_g`` scaled to the group's variance. A vector is then encoded like TurboQuantMSE: the direction
+search over pre-scales (one pre-scale for the whole vector, each coordinate with its group's
+codebook) and ``s = ||x|| / ||c||``. Widths 1, 2 and 4 keep whole codes in each 4-bit nibble, so the
+lookup-table scans serve these codes too.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .codebooks import lloyd_max, lookup
+from .codes import Codes
+from .encoder import Encoder, as_float_tensor, register_class, register_name
+from .packing import pack, packed_size, unpack_values
+from .rotation import seeded_rng
+from .turboquant import NORM_DTYPES, _check_choice, _unit_rows, search_alphas
+
+PCA_WIDTHS = (0, 1, 2, 4)
+"""Bits per coordinate a group may get."""
+PCA_BLOCK = 8
+"""Principal directions are allocated in blocks of this many."""
+TRAIN_ROWS = 200_000
+"""train() uses at most this many rows (a seeded sample)."""
+
+
+def allocate(variances: np.ndarray, bits: int) -> list[list[int]]:
+    """Widths for principal directions with ``variances`` (descending) under a budget of
+    ``len(variances) · bits`` bits: greedy on distortion reduction per bit, blocks of PCA_BLOCK,
+    widths in PCA_WIDTHS. -> groups ``[[size, width], ...]`` (consecutive blocks of equal width merged)."""
+    d = len(variances)
+    gain_of = {0: 1.0, **{b: lloyd_max(max(d, 64), b).distortion for b in PCA_WIDTHS[1:]}}  # error per unit variance
+    nxt = dict(zip(PCA_WIDTHS[:-1], PCA_WIDTHS[1:]))
+    starts = list(range(0, d, PCA_BLOCK))
+    sizes = [min(PCA_BLOCK, d - s) for s in starts]
+    energy = [float(variances[s : s + n].sum()) for s, n in zip(starts, sizes)]
+    width = [0] * len(starts)
+    budget = d * bits
+
+    def step(i: int) -> tuple[float, int, int]:
+        w = width[i]
+        cost = sizes[i] * (nxt[w] - w)
+        return -energy[i] * (gain_of[w] - gain_of[nxt[w]]) / cost, i, cost
+
+    heap = [step(i) for i in range(len(starts))]
+    heapq.heapify(heap)
+    while heap:
+        _, i, cost = heapq.heappop(heap)
+        if cost > budget:
+            continue
+        budget -= cost
+        width[i] = nxt[width[i]]
+        if width[i] in nxt:
+            heapq.heappush(heap, step(i))
+    groups: list[list[int]] = []
+    for n, w in zip(sizes, width):
+        if groups and groups[-1][1] == w:
+            groups[-1][0] += n
+        else:
+            groups.append([n, w])
+    return groups
+
+
+@register_class
+@dataclass(eq=False, repr=False)
+class TurboQuantPCA(Encoder):
+    """Trained TurboQuant (see the module notes): ``bits`` is the average budget per coordinate.
+
+    ``groups`` ``[[size, width], ...]`` (PCA order, widths in PCA_WIDTHS) is set by :meth:`train` (or
+    given, then train only learns the basis). Until trained, encoding raises. ``code_search`` and
+    ``norm_dtype`` are as in TurboQuantMSE (with the "cos" scale).
+    """
+
+    dim: int
+    bits: int = 2
+    seed: int = 0
+    groups: list | None = None
+    code_search: int = 6
+    norm_dtype: str = "float16"
+    rotation: str = "learned"
+
+    def _validate(self) -> None:
+        _check_choice("bits", self.bits, (1, 2, 3, 4))
+        _check_choice("norm_dtype", self.norm_dtype, NORM_DTYPES)
+        _check_choice("rotation", self.rotation, ("learned",))
+        if not isinstance(self.code_search, int) or self.code_search < 1:
+            raise ValueError(f"code_search must be an integer >= 1, got {self.code_search!r}")
+        if self.groups is not None:
+            g = self.groups
+            ok = isinstance(g, (list, tuple)) and all(
+                isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(v, int) for v in p) for p in g)
+            if not ok or any(n < 1 or w not in PCA_WIDTHS for n, w in g) or sum(n for n, _ in g) != self.dim:
+                raise ValueError(f"groups must be [[size, width], ...] with sizes summing to dim={self.dim} and "
+                                 f"widths in {PCA_WIDTHS}, got {g!r}")
+            if sum(packed_size(n, w) for n, w in g if w) > packed_size(self.dim, self.bits):
+                raise ValueError(f"groups {g!r} take more than the {self.bits}-bit budget")
+            self.groups = [list(p) for p in g]
+
+    @property
+    def is_trained(self) -> bool:
+        return self.groups is not None and bool(self._state.get("trained", 0))
+
+    def _build(self) -> dict[str, Tensor]:
+        if self.groups is None:
+            return {}
+        out = {"matrix": torch.eye(self.dim), "trained": torch.zeros(1)}  # replaced by train() or a file
+        for g, (n, w) in enumerate(self.groups):
+            if w:
+                cb = lloyd_max(max(n, 2), w)
+                out[f"centroids{g}"] = torch.from_numpy(cb.centroids).float()
+                out[f"boundaries{g}"] = torch.from_numpy(cb.boundaries).float()
+        return out
+
+    def train(self, x) -> None:
+        """Learn the basis (and the groups, unless given) from vectors x [n, dim]."""
+        t = as_float_tensor(x, self.dim).reshape(-1, self.dim).cpu()
+        if len(t) < 2:
+            raise ValueError(f"train needs at least 2 vectors, got {len(t)}")
+        rng = seeded_rng(self.seed, 3)
+        if len(t) > TRAIN_ROWS:
+            t = t[torch.from_numpy(np.sort(rng.choice(len(t), TRAIN_ROWS, replace=False)))]
+        u = _unit_rows(t.double())[1]
+        lam, vec = torch.linalg.eigh(u.T @ u / len(u))  # ascending
+        lam, vec = lam.flip(0).clamp_min(0), vec.flip(1)  # principal directions, largest first
+        groups = self.groups or allocate(lam.numpy(), self.bits)
+        blocks, state, start = [], {}, 0
+        for g, (n, w) in enumerate(groups):
+            q, r = np.linalg.qr(rng.standard_normal((n, n)))
+            blocks.append(torch.from_numpy(q * np.sign(np.diag(r))))  # seeded Haar rotation of the group
+            if w:
+                sigma = float(torch.sqrt(lam[start : start + n].mean() * n))  # group variance / codebook's
+                cb = lloyd_max(max(n, 2), w)
+                state[f"centroids{g}"] = torch.from_numpy(cb.centroids * sigma).float()
+                state[f"boundaries{g}"] = torch.from_numpy(cb.boundaries * sigma).float()
+            start += n
+        matrix = (torch.block_diag(*blocks) @ vec.T).float().contiguous()  # rows: the coordinates
+        self.groups = [list(p) for p in groups]
+        self._validate()
+        self._state = {"matrix": matrix, "trained": torch.ones(1), **state}
+        self._per_device.clear()
+        self._rotations.clear()
+
+    def segments(self) -> list[tuple[int, int, Tensor | None]]:
+        """(coordinates, bits, levels) of each group in qdata order (levels None for width 0)."""
+        self._require_trained()
+        return [(n, w, self._state.get(f"centroids{g}")) for g, (n, w) in enumerate(self.groups)]
+
+    @property
+    def code_size(self) -> int:
+        return self._expected_qdata_bytes() + NORM_DTYPES[self.norm_dtype].itemsize
+
+    def _expected_qdata_bytes(self) -> int:
+        groups = self.groups or []
+        return sum(packed_size(n, w) for n, w in groups if w) if groups else packed_size(self.dim, self.bits)
+
+    def _require_trained(self) -> None:
+        if not self.is_trained:
+            raise ValueError("TurboQuantPCA must be trained first: call encoder.train(x) (or index.train(x))")
+
+    def prepare_queries(self, q, device=None) -> Tensor:
+        self._require_trained()
+        return super().prepare_queries(q, device)
+
+    def _encode(self, x: Tensor) -> Codes:
+        self._require_trained()
+        s = self._on(x.device)
+        n, u = _unit_rows(x)
+        y = self._rotation(x.device).apply(u)  # [N, dim] coordinates in the learned basis
+        alphas = search_alphas(self.code_search, x.device)
+        best = pick = sq = None
+        for a in alphas:  # one pre-scale for the whole vector, each group with its own codebook
+            d_a = torch.zeros(len(y), device=y.device)
+            q_a = torch.zeros(len(y), device=y.device)
+            for (lo, hi), key in self._spans():
+                c = lookup(s[f"centroids{key}"], torch.bucketize(a * y[:, lo:hi], s[f"boundaries{key}"], out_int32=True))
+                d_a += (y[:, lo:hi] * c).sum(1)
+                q_a += c.square().sum(1)
+            cos = d_a * q_a.clamp_min(1e-30).rsqrt()
+            if best is None:
+                best, pick, sq = cos, torch.full_like(cos, float(a)), q_a
+            else:
+                better = cos > best
+                best, pick = torch.where(better, cos, best), torch.where(better, a, pick)
+                sq = torch.where(better, q_a, sq)
+        parts = []
+        for (lo, hi), key in self._spans():
+            w = self.groups[key][1]
+            parts.append(pack(torch.bucketize(pick[:, None] * y[:, lo:hi], s[f"boundaries{key}"], out_int32=True), w))
+        scale = torch.where(n > 0, n * sq.clamp_min(1e-30).rsqrt(), torch.zeros_like(n))
+        qdata = torch.cat(parts, 1) if parts else torch.empty(len(x), 0, dtype=torch.uint8, device=x.device)
+        return Codes(qdata=qdata, norm=scale.to(NORM_DTYPES[self.norm_dtype]))
+
+    def _spans(self) -> list[tuple[tuple[int, int], int]]:
+        """((first, end) coordinates, group number) of the groups with a nonzero width."""
+        out, start = [], 0
+        for g, (n, w) in enumerate(self.groups):
+            if w:
+                out.append(((start, start + n), g))
+            start += n
+        return out
+
+    def _decode_rotated(self, codes: Codes) -> Tensor:
+        self._require_trained()
+        s = self._on(codes.device)
+        out = torch.zeros(*codes.qdata.shape[:-1], self.dim, device=codes.device)
+        byte = 0
+        for (lo, hi), g in self._spans():
+            w = self.groups[g][1]
+            nb = packed_size(hi - lo, w)
+            out[..., lo:hi] = unpack_values(codes.qdata[..., byte : byte + nb], w, hi - lo, s[f"centroids{g}"])
+            byte += nb
+        return out * codes.norm.float()[..., None]
+
+
+for _b in (1, 2, 3, 4):
+    register_name(f"tq{_b}-pca", lambda dim, _b=_b, **kw: TurboQuantPCA(dim=dim, bits=_b, **kw))
