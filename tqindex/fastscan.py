@@ -1,4 +1,4 @@
-"""Compiled nibble lookup-table scan of 1/2/4-bit TurboQuantMSE codes (``csrc/fastscan.c``).
+"""Compiled nibble lookup-table scan of 1/2/4-bit codes (TurboQuantMSE, TurboQuantPCA; ``csrc/fastscan.c``).
 
 Each 4-bit nibble of a packed code row holds whole codes, so a query's score is ``s · Σ_t T[t][nibble_t]``
 over the row's 2·P nibbles (:meth:`LookupTables.nibble_tables`). The kernel quantizes nothing itself:
@@ -112,7 +112,7 @@ class ScanTables:
 
 
 class FastScan:
-    """Scores TurboQuantMSE 1/2/4-bit codes with the compiled kernel into a running top-k."""
+    """Scores 1/2/4-bit codes with the compiled kernel into a running top-k."""
 
     def __init__(self, lut: LookupTables, allow_simd: bool = True) -> None:
         native.require()

@@ -2,8 +2,8 @@
 running top-k, re-ranking and file state.
 
 The database is held only as codes (plus int64 ids). Queries are rotated once; then either the
-compiled nibble lookup-table scan (``fastscan.py``: 1/2/4-bit TurboQuantMSE codes, any number of
-queries) or a PyTorch scan runs: blocks of codes are decoded in the rotated domain and multiplied
+compiled nibble lookup-table scan (``fastscan.py``: 1/2/4-bit TurboQuantMSE and TurboQuantPCA codes,
+any number of queries) or a PyTorch scan runs: blocks of codes are decoded in the rotated domain and multiplied
 with all queries (one float32 GEMM), or, for a few queries, scored by byte lookup tables
 (``lut.py``). A running top-k is merged per block, so no [nq, ntotal] score matrix is ever built.
 

@@ -1,7 +1,8 @@
 """Byte lookup-table scan: TurboQuant Q_mse scores of a few queries without decoding the database.
 
-For :class:`TurboQuantMSE` with 1, 2 or 4 bits a packed byte holds whole codes, and the rotated
-reconstruction is ``s · c[idx]``. So for each query and each packed byte position p a 256-entry
+For :class:`TurboQuantMSE` with 1, 2 or 4 bits (and :class:`TurboQuantPCA`, whose groups of 1, 2 or
+4 bits are runs of whole bytes) a packed byte holds whole codes, and the rotated reconstruction is
+``s · c[idx]``. So for each query and each packed byte position p a 256-entry
 table ``T[p][v] = Σ_i c[code_i(v)] · (R q)[p·(8/b) + i]`` gives the partial inner product of byte
 value v, and ``<R q, R x̂> = s · Σ_p T[p][qdata[p]]``: one table lookup per byte instead of a decode
 of every coordinate. The lookups run as one ``embedding_bag`` (sum) over int32 indices.
