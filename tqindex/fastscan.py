@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -25,6 +26,9 @@ from torch import Tensor
 from . import native
 from .codes import Codes
 from .lut import LookupTables
+
+if TYPE_CHECKING:
+    from .index import TopK
 
 
 def available() -> bool:
@@ -114,20 +118,18 @@ class ScanTables:
 class FastScan:
     """Scores 1/2/4-bit codes with the compiled kernel into a running top-k."""
 
-    def __init__(self, lut: LookupTables, allow_simd: bool = True) -> None:
+    def __init__(self, lut: LookupTables) -> None:
         native.require()
         self.lut = lut
-        self.allow_simd = allow_simd
         self.sq = lut.nibble_tables(None).contiguous()  # [T, 16] partial sums of c² ("l2" scores)
-        self.table_bytes = self.sq.numel() * 5
-        """Bytes of one query's tables (float32 + uint8)."""
+        self.table_bytes = self.sq.numel() * 5  # one query's tables (float32 + uint8)
 
     def tables(self, qs: Tensor) -> ScanTables:
         """Tables of rotated queries qs [m, dim] (already doubled for "l2")."""
         exact = self.lut.nibble_tables(qs.float()).contiguous()
         return ScanTables(exact, *quantize_tables(exact))
 
-    def run(self, tables: ScanTables, codes: Codes, labels: Tensor | int, top, rows: Tensor | None, l2: bool,
+    def run(self, tables: ScanTables, codes: Codes, labels: Tensor | int, top: "TopK", rows: Tensor | None, l2: bool,
             offset: Tensor | None = None) -> None:
         """Merge the exact top-k of codes [n] into ``top`` (a TopK [*, k]). Row i is labelled
         ``labels[i]`` (int64 tensor) or ``labels + i`` (int); table row j merges into heap row ``rows[j]``
@@ -152,8 +154,7 @@ class FastScan:
                 None if labels is None else labels[r0:].data_ptr(), base + r0, q1 - q0,
                 tables.quantized[q0:].data_ptr(), tables.mul[q0:].data_ptr(), tables.add[q0:].data_ptr(),
                 tables.exact[q0:].data_ptr(), None if offset is None else offset[q0:].data_ptr(), depth,
-                None if heap_rows is None else heap_rows[q0:].data_ptr(), k, hv.data_ptr(), hi.data_ptr(),
-                int(self.allow_simd))
+                None if heap_rows is None else heap_rows[q0:].data_ptr(), k, hv.data_ptr(), hi.data_ptr(), 1)
 
         if threads == 1 or m >= threads:  # split the queries
             cuts = np.linspace(0, m, threads + 1).astype(int).tolist()
