@@ -49,6 +49,8 @@ from tqindex.metrics import recall_by_score  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
+DEFAULT_SKIP = r"faiss-sq-tq\d"
+"""Methods left out unless --skip says otherwise (see its help)."""
 QUICK_METHODS = r"^tq\d(-norm)?$,tqmse,eden\d$,rabitq-fs,pq-fs,^turbovec\d$"
 """Methods of a ``--quick`` run (comma-separated regular expressions)."""
 
@@ -249,7 +251,8 @@ def markdown(result: dict[str, Any]) -> str:
              f"{args['repeats']} within {args['time_budget']:g} s. Recall counts a returned vector whose exact "
              f"score ties the true neighbour's (duplicates); with {result['dataset']['n_queries']} queries a "
              f"recall near 0.8 has a standard error of "
-             f"{(0.16 / result['dataset']['n_queries']) ** 0.5:.4f}.", "",
+             f"{(0.16 / result['dataset']['n_queries']) ** 0.5:.4f}."
+             + (f" Left out (--skip): {', '.join(args['skip'])}." if args.get('skip') else ""), "",
              f"git {env['git_sha'][:10]}{' (dirty)' if env['git_dirty'] else ''}, {env['cpu']}, "
              f"{env['nproc']} CPUs (load {env['load_average_at_start']}), torch {versions.get('torch')}, "
              f"faiss {versions.get('faiss-cpu')}, turbovec {versions.get('turbovec')}, {env['date_utc']}.",
@@ -339,8 +342,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--methods", default=None,
                    help="comma-separated regular expressions (plain substrings work); keep methods "
                         "whose name matches any (default: all)")
-    p.add_argument("--skip", default=None,
-                   help="comma-separated regular expressions; leave out methods whose name matches any")
+    p.add_argument("--skip", default=DEFAULT_SKIP,
+                   help="comma-separated regular expressions; leave out methods whose name matches any "
+                        f"(default {DEFAULT_SKIP!r}: faiss's Q_prod scalar quantizers search at 10-25 "
+                        "queries/s here, half an hour per bit width for 10,000 queries; pass '' to include them)")
     p.add_argument("--n-base", type=int, default=None, help="use the first n base vectors")
     p.add_argument("--n-queries", type=int, default=None,
                    help="use the first n queries for recall (default: all)")
