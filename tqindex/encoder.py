@@ -46,7 +46,7 @@ def as_float_tensor(x: Any, dim: int, name: str = "x", allow_empty: bool = False
     if t.numel() == 0 and not allow_empty:
         raise ValueError(f"{name} is empty (shape {tuple(t.shape)}): nothing to encode")
     t = t.detach().float()
-    if t.numel() and not bool(torch.isfinite(t).all()):
+    if t.numel() and not bool(torch.isfinite(torch.stack(torch.aminmax(t))).all()):  # NaN propagates; one pass
         raise ValueError(f"{name} contains NaN or infinite values")
     return t
 

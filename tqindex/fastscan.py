@@ -58,7 +58,7 @@ def quantize_tables(tables: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     span = tables - low
     mul = span.amax(dim=(1, 2)) / TABLE_MAX  # [m]
     mul = torch.where(mul > 0, mul, torch.ones_like(mul))
-    u8 = torch.round(span / mul[:, None, None]).clamp_(0, TABLE_MAX).to(torch.uint8)
+    u8 = span.mul_((1 / mul)[:, None, None]).round_().clamp_(0, TABLE_MAX).to(torch.uint8)
     return u8, mul, low.sum((1, 2))
 
 

@@ -340,14 +340,17 @@ class BaseIndex(ABC):
         codes = parts[0] if len(parts) == 1 else Codes.cat(parts)
         vectors = xt.to(VECTOR_DTYPES[self.vectors_dtype]) if self.keep_vectors else None
         lists = list(self._lists)
-        order = torch.argsort(assign, stable=True)
-        counts = torch.bincount(assign, minlength=len(lists)).tolist()
-        start = 0
-        for no, count in enumerate(counts):
-            if count:
-                rows = order[start : start + count]
-                lists[no] = lists[no].appended(codes[rows], new_ids[rows], None if vectors is None else vectors[rows])
-                start += count
+        if len(lists) == 1:
+            lists[0] = lists[0].appended(codes, new_ids, vectors)
+        else:
+            order = torch.argsort(assign, stable=True)
+            counts = torch.bincount(assign, minlength=len(lists)).tolist()
+            start = 0
+            for no, count in enumerate(counts):
+                if count:
+                    rows = order[start : start + count]
+                    lists[no] = lists[no].appended(codes[rows], new_ids[rows], None if vectors is None else vectors[rows])
+                    start += count
         self._lists, self._next_id = lists, max(self._next_id, int(new_ids.max()) + 1)
 
     def add_with_ids(self, x: Any, ids: Any, progress: bool | None = None) -> None:
