@@ -3,8 +3,8 @@ running top-k, re-ranking and file state.
 
 The database is held only as codes (plus int64 ids). Queries are rotated once; then either the
 compiled nibble lookup-table scan (``fastscan.py``: 1/2/4-bit TurboQuantMSE and TurboQuantPCA codes,
-any number of queries) or a PyTorch scan runs: blocks of codes are decoded in the rotated domain and multiplied
-with all queries (one float32 GEMM), or, for a few queries, scored by byte lookup tables
+any number of queries) or a PyTorch scan runs: blocks of codes are decoded in the rotated domain and
+multiplied with all queries (one float32 GEMM), or, for a few queries, scored by byte lookup tables
 (``lut.py``). A running top-k is merged per block, so no [nq, ntotal] score matrix is ever built.
 
 Inside, scores are "larger is better": ``<q, x̂>`` for "ip" and "cosine", and for "l2"
@@ -29,9 +29,9 @@ from tqdm import tqdm
 
 from .codes import Codes
 from .encoder import Encoder, as_float_tensor, encoder_from_dict, make_encoder
-from .io import register_index_type, write_index_file
 from .fastscan import FastScan
 from .fastscan import available as fastscan_available
+from .io import register_index_type, write_index_file
 from .lut import LookupTables, lut_supported
 
 METRICS = ("ip", "cosine", "l2")
@@ -171,8 +171,8 @@ class BlockScan:
     ``qs`` [nq, dim] are the rotated queries ``R q`` ("ip"/"cosine") or ``2 R q`` ("l2": a code then
     scores ``2<q, x̂> - ||x̂||² = ||q||² - ||q - x̂||²``). With ``fast`` (the compiled scan) every run
     goes to it. Otherwise codes are decoded DECODE_ELEMENTS coordinates at a time and multiplied with
-    the queries in [r, TILE_BYTES / 4r] score tiles; up to LUT_MAX_QUERIES queries on TurboQuantMSE
-    1/2/4-bit codes are scored by byte lookup tables instead.
+    the queries in [r, TILE_BYTES / 4r] score tiles; up to LUT_MAX_QUERIES queries on 1/2/4-bit codes
+    are scored by byte lookup tables instead.
     """
 
     encoder: Encoder
@@ -394,7 +394,7 @@ class BaseIndex(ABC):
         show = _show(progress, work >= PROGRESS_MIN_SCORES)
         with tqdm(total=work, unit="score", unit_scale=True, desc="search",
                   disable=not show) as bar:
-            step = QUERY_CHUNK if self._fast is None else max(1, min(QUERY_CHUNK, FAST_TABLE_BYTES // self._fast.table_bytes))
+            step = QUERY_CHUNK if self._fast is None else min(QUERY_CHUNK, max(1, FAST_TABLE_BYTES // self._fast.table_bytes))
             for i in range(0, len(qt), step):
                 chunk = qt[i : i + step]
                 qr = self.encoder.prepare_queries(chunk)  # [m, dim]

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .codebooks import lloyd_max, lookup
 from . import native
+from .codebooks import lloyd_max, lookup
 from .codes import Codes
 from .encoder import Encoder, register_class, register_name
 from .packing import pack, packed_size, unpack_values
