@@ -91,3 +91,17 @@ def test_ivf_trains_the_encoder_on_what_it_stores(by_residual):
     if not by_residual:
         assert_matches(D, I, brute_scores(index.encoder, "ip", x, q), np.arange(1200), 5, "ip")
     assert (I >= 0).all()
+
+
+@pytest.mark.skipif(not tq.native.available(), reason="compiled kernels not built")
+def test_compiled_encoding_equals_the_pytorch_reference():
+    x = torch.from_numpy(anisotropic(2000, 64))
+    enc = tq.make_encoder("tq2-pca", 64)
+    enc.train(x)
+    codes = enc.encode(x)
+    y = enc._rotation(x.device).apply(torch.nn.functional.normalize(x, dim=1))
+    parts, sq = enc._encode_reference(y, tq.turboquant.search_alphas(enc.code_search))
+    same = (codes.qdata == torch.cat(parts, 1)).all(1).float().mean()
+    assert same > 0.99  # differences only where two pre-scales tie in float rounding
+    ref_scale = (x.norm(dim=1) * sq.rsqrt()).half()
+    assert (codes.norm == ref_scale).float().mean() > 0.99

@@ -94,7 +94,7 @@ def test_compiled_direction_search_equals_reference(bits, dim, candidates, simd)
     c, b = s["centroids"], s["boundaries"]
     y = unit_vectors(2000, dim, seed=dim + bits)
     alphas = search_alphas(candidates)
-    idx, dot, sq = _quantize_direction_native(y, c, b, alphas, allow_simd=simd)
+    idx, dot, sq = _quantize_direction_native(y, [(dim, c, b)], alphas, allow_simd=simd)
     ref_idx, ref_c = quantize_direction_reference(y, c, b, alphas)
     got_c = c[idx.long()]
     cos, ref_cos = (y * got_c).sum(1) / got_c.norm(dim=1), (y * ref_c).sum(1) / ref_c.norm(dim=1)

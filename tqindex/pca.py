@@ -27,7 +27,8 @@ from .codes import Codes
 from .encoder import Encoder, as_float_tensor, register_class, register_name
 from .packing import pack, packed_size, unpack_values
 from .rotation import seeded_rng
-from .turboquant import NORM_DTYPES, _check_choice, _unit_rows, search_alphas
+from .turboquant import (NORM_DTYPES, _check_choice, _quantize_direction_native, _unit_rows, native_search_serves,
+                         search_alphas)
 
 PCA_WIDTHS = (0, 1, 2, 4)
 """Bits per coordinate a group may get."""
@@ -180,6 +181,26 @@ class TurboQuantPCA(Encoder):
         n, u = _unit_rows(x)
         y = self._rotation(x.device).apply(u)  # [N, dim] coordinates in the learned basis
         alphas = search_alphas(self.code_search, x.device)
+        spans = self._spans()
+        cents = [s[f"centroids{g}"] for _, g in spans]
+        if native_search_serves(y, cents):
+            kept = torch.cat([y[:, lo:hi] for (lo, hi), _ in spans], 1) if spans else y[:, :0]
+            runs = [(hi - lo, c, s[f"boundaries{g}"]) for ((lo, hi), g), c in zip(spans, cents)]
+            idx, _, sq = _quantize_direction_native(kept, runs, alphas)
+            parts, col = [], 0
+            for (lo, hi), g in spans:
+                parts.append(pack(idx[:, col : col + hi - lo], self.groups[g][1]))
+                col += hi - lo
+        else:
+            parts, sq = self._encode_reference(y, alphas)
+        scale = torch.where(n > 0, n * sq.clamp_min(1e-30).rsqrt(), torch.zeros_like(n))
+        qdata = torch.cat(parts, 1) if parts else torch.empty(len(x), 0, dtype=torch.uint8, device=x.device)
+        return Codes(qdata=qdata, norm=scale.to(NORM_DTYPES[self.norm_dtype]))
+
+    def _encode_reference(self, y: Tensor, alphas: Tensor) -> tuple[list[Tensor], Tensor]:
+        """PyTorch direction search over the groups (reference of the kernel, and the GPU path):
+        y [N, dim] in the learned basis -> (packed codes per nonzero group, ||c||² [N])."""
+        s = self._on(y.device)
         best = pick = sq = None
         for a in alphas:  # one pre-scale for the whole vector, each group with its own codebook
             d_a = torch.zeros(len(y), device=y.device)
@@ -195,13 +216,9 @@ class TurboQuantPCA(Encoder):
                 better = cos > best
                 best, pick = torch.where(better, cos, best), torch.where(better, a, pick)
                 sq = torch.where(better, q_a, sq)
-        parts = []
-        for (lo, hi), key in self._spans():
-            w = self.groups[key][1]
-            parts.append(pack(torch.bucketize(pick[:, None] * y[:, lo:hi], s[f"boundaries{key}"], out_int32=True), w))
-        scale = torch.where(n > 0, n * sq.clamp_min(1e-30).rsqrt(), torch.zeros_like(n))
-        qdata = torch.cat(parts, 1) if parts else torch.empty(len(x), 0, dtype=torch.uint8, device=x.device)
-        return Codes(qdata=qdata, norm=scale.to(NORM_DTYPES[self.norm_dtype]))
+        parts = [pack(torch.bucketize(pick[:, None] * y[:, lo:hi], s[f"boundaries{g}"], out_int32=True), self.groups[g][1])
+                 for (lo, hi), g in self._spans()]
+        return parts, sq
 
     def _spans(self) -> list[tuple[tuple[int, int], int]]:
         """((first, end) coordinates, group number) of the groups with a nonzero width."""

@@ -54,33 +54,45 @@ def _quantize_direction(
     to 16 levels, else :func:`quantize_direction_reference`.
     """
     alphas = search_alphas(candidates, y.device)
-    if (y.device.type == "cpu" and y.dtype == torch.float32 and len(centroids) <= 16 and native.available()
-            and torch.equal(centroids, -centroids.flip(0))):
-        return _quantize_direction_native(y, centroids, boundaries, alphas)
+    if native_search_serves(y, [centroids]):
+        return _quantize_direction_native(y, [(y.shape[-1], centroids, boundaries)], alphas)
     idx, c = quantize_direction_reference(y, centroids, boundaries, alphas)
     return idx, (y * c).sum(-1), c.square().sum(-1)
 
 
-def _quantize_direction_native(y: Tensor, centroids: Tensor, boundaries: Tensor, alphas: Tensor,
+def native_search_serves(y: Tensor, codebooks: list[Tensor]) -> bool:
+    """Whether the compiled direction search can encode y (float32 on the CPU) with these codebooks
+    (each symmetric, at most 16 levels)."""
+    return (y.device.type == "cpu" and y.dtype == torch.float32 and native.available()
+            and all(len(c) <= 16 and torch.equal(c, -c.flip(0)) for c in codebooks))
+
+
+def _quantize_direction_native(y: Tensor, runs: list[tuple[int, Tensor, Tensor]], alphas: Tensor,
                                allow_simd: bool = True) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`_quantize_direction` by the compiled kernel (uint8 idx), rows split over torch's thread
-    count; ``allow_simd=False`` runs its portable loop."""
+    """:func:`_quantize_direction` by the compiled kernel for y [N, d] whose columns form ``runs``
+    (coordinates, centroids, boundaries), one pre-scale for all: -> (uint8 idx into each run's codebook
+    [N, d], <y, c> [N], ||c||² [N]). Rows are split over torch's thread count; ``allow_simd=False``
+    runs the kernel's portable loop."""
     y, alphas = y.contiguous(), alphas.float().contiguous()
-    h = len(centroids) // 2
-    levels, bounds = centroids[h:].float().contiguous(), boundaries[h:].float().contiguous()
+    seg_len = torch.tensor([r[0] for r in runs], dtype=torch.int64)
+    seg_h = torch.tensor([len(r[1]) // 2 for r in runs], dtype=torch.int64)
+    levels, bounds = torch.zeros(len(runs), 8), torch.zeros(len(runs), 8)
+    for i, (_, c, b) in enumerate(runs):  # the positive halves
+        h = len(c) // 2
+        levels[i, :h], bounds[i, : h - 1] = c[h:].float(), b[h:].float()
     n, d = y.shape
     idx = torch.empty(n, d, dtype=torch.uint8)
     dot, sq = torch.empty(n), torch.empty(n)
     parts = max(1, min(torch.get_num_threads(), n // NATIVE_MIN_ROWS))
-    bounds_rows = [round(i * n / parts) for i in range(parts + 1)]
+    cuts = [round(i * n / parts) for i in range(parts + 1)]
     lib = native.require()
 
     def call(a: int, b: int) -> int:
-        return lib.tq_quantize_direction(y[a:].data_ptr(), b - a, d, alphas.data_ptr(), len(alphas),
-                                         levels.data_ptr(), bounds.data_ptr(), h, idx[a:].data_ptr(),
-                                         dot[a:].data_ptr(), sq[a:].data_ptr(), int(allow_simd))
+        return lib.tq_quantize_direction(y[a:].data_ptr(), b - a, d, alphas.data_ptr(), len(alphas), len(runs),
+                                         seg_len.data_ptr(), seg_h.data_ptr(), levels.data_ptr(), bounds.data_ptr(),
+                                         idx[a:].data_ptr(), dot[a:].data_ptr(), sq[a:].data_ptr(), int(allow_simd))
 
-    native.parallel(call, list(zip(bounds_rows[:-1], bounds_rows[1:])))
+    native.parallel(call, list(zip(cuts[:-1], cuts[1:])))
     return idx, dot, sq
 
 

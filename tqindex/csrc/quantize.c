@@ -116,37 +116,55 @@ static int use_simd(int allow_simd) {
 #endif
 }
 
-/* y [n, d] float32 rows; alphas [A]; pos_levels [H], pos_bounds [H - 1] (see the file comment).
- * Writes idx [n, d] (uint8 indices into the full ascending codebook), dot [n] = <y, c> and
- * sq [n] = ||c||^2 of the chosen code. Returns 0, -1 for H outside 1..8, -2 when out of memory. */
-int tq_quantize_direction(const float *y, int64_t n, int64_t d, const float *alphas, int64_t A,
-                          const float *pos_levels, const float *pos_bounds, int64_t H, uint8_t *idx, float *dot,
-                          float *sq, int allow_simd) {
-    if (H < 1 || H > MAX_H) return -1;
+/* y [n, d] float32 rows whose coordinates form nseg runs: run s covers seg_len[s] coordinates and
+ * uses a codebook of 2 seg_H[s] levels (seg_H in 1..8) with positive levels pos_levels[s * 8 + j],
+ * j < seg_H[s], and positive boundaries pos_bounds[s * 8 + j], j < seg_H[s] - 1 (see the file comment;
+ * one pre-scale alpha serves every run). Writes idx [n, d] (uint8 indices into each run's ascending
+ * codebook), dot [n] = <y, c> and sq [n] = ||c||^2 of the chosen code. Returns 0, -1 for a bad run
+ * (seg_H outside 1..8, lengths not summing to d), -2 when out of memory. */
+int tq_quantize_direction(const float *y, int64_t n, int64_t d, const float *alphas, int64_t A, int64_t nseg,
+                          const int64_t *seg_len, const int64_t *seg_H, const float *pos_levels,
+                          const float *pos_bounds, uint8_t *idx, float *dot, float *sq, int allow_simd) {
+    int64_t total = 0;
+    for (int64_t s = 0; s < nseg; s++) {
+        if (seg_H[s] < 1 || seg_H[s] > MAX_H || seg_len[s] < 0) return -1;
+        total += seg_len[s];
+    }
+    if (total != d) return -1;
     sums_fn sums = alpha_sums_generic;
     codes_fn write_codes = write_codes_generic;
 #ifdef TQ_X86
     if (use_simd(allow_simd)) sums = alpha_sums_avx2, write_codes = write_codes_avx2;
 #endif
-    float lv[MAX_H] = {0}, bd[MAX_H] = {0};
-    memcpy(lv, pos_levels, sizeof(float) * (size_t)H);
-    memcpy(bd, pos_bounds, sizeof(float) * (size_t)(H - 1));
-    int nb = (int)H - 1;
+    float *lv = calloc((size_t)(nseg * MAX_H + 1), sizeof(float)), *bd = calloc((size_t)(nseg * MAX_H + 1), sizeof(float));
     float *ay = malloc(sizeof(float) * (size_t)(d > 0 ? d : 1));
-    if (!ay) return -2;
+    if (!lv || !bd || !ay) {
+        free(lv), free(bd), free(ay);
+        return -2;
+    }
+    for (int64_t s = 0; s < nseg; s++) {  /* padded to MAX_H: alpha_sums_avx2 loads 8 levels */
+        memcpy(lv + s * MAX_H, pos_levels + s * MAX_H, sizeof(float) * (size_t)seg_H[s]);
+        memcpy(bd + s * MAX_H, pos_bounds + s * MAX_H, sizeof(float) * (size_t)(seg_H[s] - 1));
+    }
     for (int64_t r = 0; r < n; r++) {
         const float *row = y + r * d;
         for (int64_t i = 0; i < d; i++) ay[i] = fabsf(row[i]);
         float best = -INFINITY, bdot = 0.f, bsq = 0.f, balpha = alphas[0];
         for (int64_t a = 0; a < A; a++) {
-            float s, q;
-            sums(ay, d, alphas[a], lv, bd, nb, &s, &q);
-            float c = q > 0.f ? s / sqrtf(q) : 0.f;
-            if (c > best) best = c, bdot = s, bsq = q, balpha = alphas[a];
+            float s_all = 0.f, q_all = 0.f;
+            for (int64_t s = 0, i0 = 0; s < nseg; i0 += seg_len[s++]) {
+                float sv, qv;
+                sums(ay + i0, seg_len[s], alphas[a], lv + s * MAX_H, bd + s * MAX_H, (int)seg_H[s] - 1, &sv, &qv);
+                s_all += sv, q_all += qv;
+            }
+            float c = q_all > 0.f ? s_all / sqrtf(q_all) : 0.f;
+            if (c > best) best = c, bdot = s_all, bsq = q_all, balpha = alphas[a];
         }
-        write_codes(row, ay, d, balpha, bd, nb, (int)H, idx + r * d);
+        for (int64_t s = 0, i0 = 0; s < nseg; i0 += seg_len[s++])
+            write_codes(row + i0, ay + i0, seg_len[s], balpha, bd + s * MAX_H, (int)seg_H[s] - 1, (int)seg_H[s],
+                        idx + r * d + i0);
         dot[r] = bdot, sq[r] = bsq;
     }
-    free(ay);
+    free(lv), free(bd), free(ay);
     return 0;
 }
