@@ -95,7 +95,8 @@ def test_compiled_direction_search_equals_reference(bits, dim, candidates, simd)
     y = unit_vectors(2000, dim, seed=dim + bits)
     alphas = search_alphas(candidates)
     idx, dot, sq = _quantize_direction_native(y, [(dim, c, b)], alphas, allow_simd=simd)
-    ref_idx, ref_c = quantize_direction_reference(y, c, b, alphas)
+    ref_idx, _, _ = quantize_direction_reference(y, [(dim, c, b)], alphas)
+    ref_c = c[ref_idx.long()]
     got_c = c[idx.long()]
     cos, ref_cos = (y * got_c).sum(1) / got_c.norm(dim=1), (y * ref_c).sum(1) / ref_c.norm(dim=1)
     assert (cos >= ref_cos - 1e-6).all()  # the same best code, up to float ties between alphas

@@ -22,13 +22,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .codebooks import lloyd_max, lookup
+from .codebooks import lloyd_max
 from .codes import Codes
 from .encoder import Encoder, as_float_tensor, register_class, register_name
 from .packing import pack, packed_size, unpack_values
 from .rotation import seeded_rng
-from .turboquant import (NORM_DTYPES, _check_choice, _quantize_direction_native, _unit_rows, native_search_serves,
-                         search_alphas)
+from .turboquant import NORM_DTYPES, _check_choice, _unit_rows, direction_search, search_alphas
 
 PCA_WIDTHS = (0, 1, 2, 4)
 """Bits per coordinate a group may get."""
@@ -177,48 +176,28 @@ class TurboQuantPCA(Encoder):
 
     def _encode(self, x: Tensor) -> Codes:
         self._require_trained()
-        s = self._on(x.device)
         n, u = _unit_rows(x)
         y = self._rotation(x.device).apply(u)  # [N, dim] coordinates in the learned basis
-        alphas = search_alphas(self.code_search, x.device)
-        spans = self._spans()
-        cents = [s[f"centroids{g}"] for _, g in spans]
-        if native_search_serves(y, cents):
-            kept = torch.cat([y[:, lo:hi] for (lo, hi), _ in spans], 1) if spans else y[:, :0]
-            runs = [(hi - lo, c, s[f"boundaries{g}"]) for ((lo, hi), g), c in zip(spans, cents)]
-            idx, _, sq = _quantize_direction_native(kept, runs, alphas)
-            parts, col = [], 0
-            for (lo, hi), g in spans:
-                parts.append(pack(idx[:, col : col + hi - lo], self.groups[g][1]))
-                col += hi - lo
-        else:
-            parts, sq = self._encode_reference(y, alphas)
+        kept, runs = self._runs(y)
+        idx, _, sq = direction_search(kept, runs, search_alphas(self.code_search, x.device))
         scale = torch.where(n > 0, n * sq.clamp_min(1e-30).rsqrt(), torch.zeros_like(n))
-        qdata = torch.cat(parts, 1) if parts else torch.empty(len(x), 0, dtype=torch.uint8, device=x.device)
-        return Codes(qdata=qdata, norm=scale.to(NORM_DTYPES[self.norm_dtype]))
+        return Codes(qdata=self._pack(idx), norm=scale.to(NORM_DTYPES[self.norm_dtype]))
 
-    def _encode_reference(self, y: Tensor, alphas: Tensor) -> tuple[list[Tensor], Tensor]:
-        """PyTorch direction search over the groups (reference of the kernel, and the GPU path):
-        y [N, dim] in the learned basis -> (packed codes per nonzero group, ||c||² [N])."""
+    def _runs(self, y: Tensor) -> tuple[Tensor, list]:
+        """The columns of y [N, dim] in groups of nonzero width, and their (coordinates, centroids,
+        boundaries) runs for :func:`direction_search`."""
         s = self._on(y.device)
-        best = pick = sq = None
-        for a in alphas:  # one pre-scale for the whole vector, each group with its own codebook
-            d_a = torch.zeros(len(y), device=y.device)
-            q_a = torch.zeros(len(y), device=y.device)
-            for (lo, hi), key in self._spans():
-                c = lookup(s[f"centroids{key}"], torch.bucketize(a * y[:, lo:hi], s[f"boundaries{key}"], out_int32=True))
-                d_a += (y[:, lo:hi] * c).sum(1)
-                q_a += c.square().sum(1)
-            cos = d_a * q_a.clamp_min(1e-30).rsqrt()
-            if best is None:
-                best, pick, sq = cos, torch.full_like(cos, float(a)), q_a
-            else:
-                better = cos > best
-                best, pick = torch.where(better, cos, best), torch.where(better, a, pick)
-                sq = torch.where(better, q_a, sq)
-        parts = [pack(torch.bucketize(pick[:, None] * y[:, lo:hi], s[f"boundaries{g}"], out_int32=True), self.groups[g][1])
-                 for (lo, hi), g in self._spans()]
-        return parts, sq
+        spans = self._spans()
+        kept = torch.cat([y[:, lo:hi] for (lo, hi), _ in spans], 1) if spans else y[:, :0]
+        return kept, [(hi - lo, s[f"centroids{g}"], s[f"boundaries{g}"]) for (lo, hi), g in spans]
+
+    def _pack(self, idx: Tensor) -> Tensor:
+        """Codebook indices of the kept columns [N, kept] -> qdata uint8 [N, code bytes], group by group."""
+        parts, col = [], 0
+        for (lo, hi), g in self._spans():
+            parts.append(pack(idx[:, col : col + hi - lo], self.groups[g][1]))
+            col += hi - lo
+        return torch.cat(parts, 1) if parts else idx.new_empty(len(idx), 0, dtype=torch.uint8)
 
     def _spans(self) -> list[tuple[tuple[int, int], int]]:
         """((first, end) coordinates, group number) of the groups with a nonzero width."""

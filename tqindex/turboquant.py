@@ -30,9 +30,13 @@ def _check_choice(name: str, value: object, allowed: tuple | dict) -> None:
         raise ValueError(f"{name} must be one of {tuple(allowed)}, got {value!r}")
 
 
+Run = tuple[int, Tensor, Tensor]
+"""(coordinates, centroids, boundaries): consecutive columns that share one codebook."""
+
+
 def _quantize_rotated(y: Tensor, centroids: Tensor, boundaries: Tensor) -> tuple[Tensor, Tensor]:
     """Nearest codebook level of each coordinate: y [N, d] -> (idx [N, d] integer, levels float [N, d])."""
-    idx, _, _ = _quantize_direction(y, centroids, boundaries, 1)
+    idx, _, _ = direction_search(y, [(y.shape[-1], centroids, boundaries)], search_alphas(1, y.device))
     return idx, lookup(centroids, idx)
 
 
@@ -44,35 +48,24 @@ def search_alphas(candidates: int, device: torch.device | str = "cpu") -> Tensor
     return torch.cat([torch.ones(1), torch.linspace(*CODE_SEARCH_RANGE, candidates)]).to(device)
 
 
-def _quantize_direction(
-    y: Tensor, centroids: Tensor, boundaries: Tensor, candidates: int
-) -> tuple[Tensor, Tensor, Tensor]:
+def direction_search(y: Tensor, runs: list[Run], alphas: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Codes whose levels c best match the direction of y: max cos(y, c) over the nearest-level codes
-    of ``alpha · y`` for the :func:`search_alphas` (y [N, d] -> (idx [N, d], <y, c> [N], ||c||² [N])).
+    of ``alpha · y`` for alphas [A] (the first on ties), one pre-scale for all the ``runs`` that make up
+    y's columns. y [N, d] -> (idx [N, d] into each run's codebook, <y, c> [N], ||c||² [N]).
 
     Runs the compiled kernel (``csrc/quantize.c``) for float32 CPU rows and symmetric codebooks of up
     to 16 levels, else :func:`quantize_direction_reference`.
     """
-    alphas = search_alphas(candidates, y.device)
-    if native_search_serves(y, [centroids]):
-        return _quantize_direction_native(y, [(y.shape[-1], centroids, boundaries)], alphas)
-    idx, c = quantize_direction_reference(y, centroids, boundaries, alphas)
-    return idx, (y * c).sum(-1), c.square().sum(-1)
+    if (y.device.type == "cpu" and y.dtype == torch.float32 and native.available()
+            and all(len(c) <= 16 and torch.equal(c, -c.flip(0)) for _, c, _ in runs)):
+        return _quantize_direction_native(y, runs, alphas)
+    return quantize_direction_reference(y, runs, alphas)
 
 
-def native_search_serves(y: Tensor, codebooks: list[Tensor]) -> bool:
-    """Whether the compiled direction search can encode y (float32 on the CPU) with these codebooks
-    (each symmetric, at most 16 levels)."""
-    return (y.device.type == "cpu" and y.dtype == torch.float32 and native.available()
-            and all(len(c) <= 16 and torch.equal(c, -c.flip(0)) for c in codebooks))
-
-
-def _quantize_direction_native(y: Tensor, runs: list[tuple[int, Tensor, Tensor]], alphas: Tensor,
+def _quantize_direction_native(y: Tensor, runs: list[Run], alphas: Tensor,
                                allow_simd: bool = True) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`_quantize_direction` by the compiled kernel for y [N, d] whose columns form ``runs``
-    (coordinates, centroids, boundaries), one pre-scale for all: -> (uint8 idx into each run's codebook
-    [N, d], <y, c> [N], ||c||² [N]). Rows are split over torch's thread count; ``allow_simd=False``
-    runs the kernel's portable loop."""
+    """:func:`direction_search` by the compiled kernel (uint8 idx), rows split over torch's thread
+    count; ``allow_simd=False`` runs the kernel's portable loop."""
     y, alphas = y.contiguous(), alphas.float().contiguous()
     seg_len = torch.tensor([r[0] for r in runs], dtype=torch.int64)
     seg_h = torch.tensor([len(r[1]) // 2 for r in runs], dtype=torch.int64)
@@ -96,28 +89,33 @@ def _quantize_direction_native(y: Tensor, runs: list[tuple[int, Tensor, Tensor]]
     return idx, dot, sq
 
 
-def quantize_direction_reference(y: Tensor, centroids: Tensor, boundaries: Tensor,
-                                 alphas: Tensor) -> tuple[Tensor, Tensor]:
-    """PyTorch direction search (reference of the kernel, and the GPU path): among the nearest-level
-    codes of ``alpha · y`` for alphas [A], the one maximizing cos(y, c) (the first on ties);
-    y [N, d] -> (idx int32 [N, d], levels c float [N, d]).
+def quantize_direction_reference(y: Tensor, runs: list[Run], alphas: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """PyTorch :func:`direction_search` (reference of the kernel, and the GPU path): -> (idx int32
+    [N, d], <y, c> [N], ||c||² [N]).
 
-    One bucketize serves every alpha: the cuts ``boundaries / alpha`` split the axis into cells in
-    which each alpha's level is constant, so per-cell tables give every candidate's level at once.
+    One bucketize per run serves every alpha: the cuts ``boundaries / alpha`` split the axis into
+    cells in which each alpha's level is constant, so per-cell tables give every candidate's level.
     """
-    if len(alphas) == 1 and float(alphas[0]) == 1.0:
-        idx = torch.bucketize(y, boundaries, out_int32=True)
-        return idx, lookup(centroids, idx)
-    cuts = torch.unique(boundaries[None, :] / alphas[:, None])  # sorted cell edges [C - 1]
-    inside = torch.cat([cuts[:1] - 1, (cuts[1:] + cuts[:-1]) / 2, cuts[-1:] + 1])  # a point per cell [C]
-    level = torch.bucketize(inside[:, None] * alphas, boundaries, out_int32=True)  # [C, A]
-    value = lookup(centroids, level)  # [C, A]
-    n, d, a = *y.shape, len(alphas)
-    cell = torch.bucketize(y, cuts, out_int32=True)  # [N, d]
-    c_all = value.index_select(0, cell.reshape(-1)).reshape(n, d, a)  # every candidate's levels
-    cos = torch.einsum("nd,nda->na", y, c_all) * c_all.square().sum(1).rsqrt()  # [N, A]
-    pick = (cell * a + cos.argmax(1, keepdim=True).to(torch.int32)).reshape(-1)  # [N·d] table entries
-    return level.reshape(-1).index_select(0, pick).reshape(n, d), value.reshape(-1).index_select(0, pick).reshape(n, d)
+    n, a = y.shape[0], len(alphas)
+    dot = y.new_zeros(n, a)
+    sq = y.new_zeros(n, a)
+    tables, start = [], 0
+    for width, centroids, boundaries in runs:
+        yr = y[:, start : start + width].contiguous()
+        start += width
+        cuts = torch.unique(boundaries[None, :] / alphas[:, None])  # sorted cell edges [C - 1]
+        inside = torch.cat([cuts[:1] - 1, (cuts[1:] + cuts[:-1]) / 2, cuts[-1:] + 1])  # a point per cell [C]
+        level = torch.bucketize(inside[:, None] * alphas, boundaries, out_int32=True)  # [C, A]
+        value = lookup(centroids, level)  # [C, A]
+        cell = torch.bucketize(yr, cuts, out_int32=True)  # [N, width]
+        c_all = value.index_select(0, cell.reshape(-1)).reshape(n, width, a)  # every candidate's levels
+        dot += torch.einsum("nd,nda->na", yr, c_all)
+        sq += c_all.square().sum(1)
+        tables.append((cell, level))
+    best = (dot * sq.rsqrt()).argmax(1, keepdim=True)  # [N, 1]
+    idx = [level.reshape(-1).index_select(0, (cell * a + best.to(torch.int32)).reshape(-1)).reshape(cell.shape)
+           for cell, level in tables]
+    return torch.cat(idx, 1), dot.gather(1, best).squeeze(1), sq.gather(1, best).squeeze(1)
 
 
 def _unit_rows(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -181,7 +179,8 @@ class TurboQuantMSE(Encoder):
         n, u = _unit_rows(x)
         y = self._rotation(x.device).apply(u)  # [N, d]
         search = self.code_search if self.bits > 1 else 1  # 1-bit codes are signs: nothing to search
-        idx, ydotc, csq = _quantize_direction(y, s["centroids"], s["boundaries"], search)
+        runs = [(self.dim, s["centroids"], s["boundaries"])]
+        idx, ydotc, csq = direction_search(y, runs, search_alphas(search, y.device))
         if self.rescale == "norm":
             scale = n
         else:

@@ -1,4 +1,4 @@
-/* Direction search of TurboQuant Q_mse codes (the fast path of turboquant._quantize_direction).
+/* Direction search of TurboQuant Q_mse codes (the fast path of turboquant.direction_search).
  *
  * For each rotated row y [d] and each pre-scale alpha (alphas[0..A)), the nearest codebook level of
  * alpha * y_i is taken per coordinate; the kernel keeps, per row, the alpha whose code c maximizes
