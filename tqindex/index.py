@@ -394,13 +394,14 @@ class BaseIndex(ABC):
         show = _show(progress, work >= PROGRESS_MIN_SCORES)
         with tqdm(total=work, unit="score", unit_scale=True, desc="search",
                   disable=not show) as bar:
-            step = QUERY_CHUNK if self._fast is None else min(QUERY_CHUNK, max(1, FAST_TABLE_BYTES // self._fast.table_bytes))
+            fast = self._fast if self.compiled_scan else None
+            step = QUERY_CHUNK if fast is None else min(QUERY_CHUNK, max(1, FAST_TABLE_BYTES // fast.table_bytes))
             for i in range(0, len(qt), step):
                 chunk = qt[i : i + step]
                 qr = self.encoder.prepare_queries(chunk)  # [m, dim]
                 l2 = self.metric == "l2"
                 scan = BlockScan(self.encoder, l2, 2 * qr if l2 else qr, TopK(len(chunk), depth), self._lut,
-                                 bar if show else None, self._fast if self.compiled_scan else None)
+                                 bar if show else None, fast)
                 self._scan(scan, chunk, allowed, **opts)
                 values, labels = scan.top.result()
                 if self.keep_vectors:
