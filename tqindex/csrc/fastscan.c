@@ -4,7 +4,8 @@
  * high nibble) holds 4/b whole codes, so a query's partial inner product with the row is a sum of
  * 2 * nbytes table entries T[t][nibble_t]. The scan quantizes T to uint8 per query (done by the
  * caller: T ~= qmul * U + per-nibble offsets summing to qadd), looks up 32 rows at once with
- * `pshufb` on AVX2 (a portable loop gives the same integers elsewhere), keeps the `depth` best
+ * `pshufb` on AVX2 for 3 queries per pass over a block (a portable loop gives the same integers
+ * elsewhere), keeps the `depth` best
  * approximate scores per query, re-scores those candidates exactly with the float tables and merges
  * them into the caller's exact top-k min-heaps (faiss layout: root = smallest of the k kept).
  *
@@ -14,6 +15,7 @@
  * Called through ctypes (tqindex/native.py): no Python objects are touched, and ctypes releases the GIL.
  */
 #include <math.h>
+#include <limits.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -56,84 +58,105 @@ typedef struct {
     int64_t *row;
     int64_t n, keep;
     float thr;
-    float *tmp;             /* scratch [2 keep] */
+    int32_t *tmp;           /* scratch [2 keep] keys */
+    int simd;               /* count with AVX2 */
 } reservoir_t;
 
-/* Moves the entries of v[lo, hi) above pivot (or_equal: at or above) to the front without branching
- * on the data; returns the end of that front part. */
-static inline int64_t partition_above(float *v, int64_t lo, int64_t hi, float pivot, int or_equal) {
-    int64_t store = lo;
-    for (int64_t i = lo; i < hi; i++) {
-        float x = v[i];
-        int take = (x > pivot) | (or_equal & (x == pivot));
-        v[i] = v[store];
-        v[store] = x;
-        store += take;
-    }
-    return store;
+/* Order-preserving integer key of a float (non-NaN): a < b exactly when key(a) < key(b). */
+static inline int32_t float_key(float f) {
+    int32_t b;
+    memcpy(&b, &f, sizeof b);
+    return b ^ ((b >> 31) & 0x7fffffff);
 }
 
-/* The keep-th largest of v[0, n) (1 <= keep <= n); reorders v (quickselect). */
-static float kth_largest(float *v, int64_t n, int64_t keep) {
-    int64_t lo = 0, hi = n, want = keep - 1;
-    while (hi - lo > 1) {
-        float a = v[lo], b = v[lo + (hi - lo) / 2], c = v[hi - 1];
-        float pivot = a > b ? (b > c ? b : (a > c ? c : a)) : (a > c ? a : (b > c ? c : b));  /* median */
-        int64_t gt = partition_above(v, lo, hi, pivot, 0);
-        if (want < gt) {
-            hi = gt;
-            continue;
-        }
-        int64_t ge = partition_above(v, gt, hi, pivot, 1);  /* the pivot's copies follow the larger ones */
-        if (want < ge) return pivot;
-        lo = ge;
-    }
-    return v[lo];
+/* Number of keys in k[0, n) at or above t. */
+static int64_t count_at_least(const int32_t *k, int64_t n, int32_t t) {
+    int32_t c = 0;
+    for (int64_t i = 0; i < n; i++) c += k[i] >= t;
+    return c;
 }
+
+#ifdef TQ_X86
+__attribute__((target("avx2"))) static int64_t count_at_least_avx2(const int32_t *k, int64_t n, int32_t t) {
+    __m256i tv = _mm256_set1_epi32(t - 1), c0 = _mm256_setzero_si256(), c1 = _mm256_setzero_si256();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {  /* k > t - 1, counted as -1 per lane */
+        c0 = _mm256_add_epi32(c0, _mm256_cmpgt_epi32(_mm256_loadu_si256((const __m256i *)(k + i)), tv));
+        c1 = _mm256_add_epi32(c1, _mm256_cmpgt_epi32(_mm256_loadu_si256((const __m256i *)(k + i + 8)), tv));
+    }
+    __m256i c = _mm256_add_epi32(c0, c1);
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
+    return -(int64_t)_mm_cvtsi128_si32(h) + count_at_least(k + i, n - i, t);
+}
+#endif
+
+#ifdef TQ_X86
+#define COUNT(k, n, t) (r->simd ? count_at_least_avx2(k, n, t) : count_at_least(k, n, t))
+#else
+#define COUNT(k, n, t) count_at_least(k, n, t)
+#endif
 
 /* Keeps the `keep` largest entries (ties at the threshold in arrival order) and raises thr to the
- * smallest of them; `tmp` has room for 2 keep floats. */
-static void reservoir_shrink(reservoir_t *r, float *tmp) {
-    memcpy(tmp, r->val, sizeof(float) * (size_t)r->n);
-    float t = kth_largest(tmp, r->n, r->keep);
-    int64_t above = 0, m = 0;
-    for (int64_t i = 0; i < r->n; i++) above += r->val[i] > t;
-    int64_t ties = r->keep - above;  /* entries equal to t that stay */
+ * smallest of them, found by bisection over the float keys (at most 32 counting passes). */
+static void reservoir_shrink(reservoir_t *r) {
+    int32_t *keys = r->tmp;
+    int32_t lo = INT32_MAX, hi = INT32_MIN;
     for (int64_t i = 0; i < r->n; i++) {
-        int take = r->val[i] > t || (r->val[i] == t && ties-- > 0);
+        int32_t k = float_key(r->val[i]);
+        keys[i] = k;
+        lo = k < lo ? k : lo;
+        hi = k > hi ? k : hi;
+    }
+    /* count(>= lo) >= keep > count(>= hi + 1): narrow to the keep-th largest key */
+    int64_t above = 0;  /* entries above the final threshold */
+    if (COUNT(keys, r->n, hi) >= r->keep) lo = hi;
+    else {
+        int64_t top = hi;  /* count(>= top) < keep */
+        above = COUNT(keys, r->n, (int32_t)top);
+        while (top - lo > 1) {
+            int32_t mid = (int32_t)(lo + (top - lo) / 2);
+            int64_t c = COUNT(keys, r->n, mid);
+            if (c >= r->keep) lo = mid;
+            else top = mid, above = c;
+        }
+    }
+    int64_t ties = r->keep - above, m = 0;  /* entries equal to the threshold that stay */
+    for (int64_t i = 0; i < r->n; i++) {
+        int tie = keys[i] == lo, take = (keys[i] > lo) | (tie & (ties > 0));
+        ties -= tie & take;
         r->val[m] = r->val[i];
         r->row[m] = r->row[i];
         m += take;
     }
     r->n = r->keep;
-    r->thr = t;
+    memcpy(&r->thr, &(int32_t){lo ^ ((lo >> 31) & 0x7fffffff)}, sizeof r->thr);
 }
 
 static inline void reservoir_add(reservoir_t *r, float v, int64_t row) {
     r->val[r->n] = v;
     r->row[r->n] = row;
-    if (++r->n == 2 * r->keep) reservoir_shrink(r, r->tmp);
+    if (++r->n == 2 * r->keep) reservoir_shrink(r);
 }
 
 /* ----------------------------------------------------------------------------------------- sums */
 
 /* Integer table sums of the 32 rows of one transposed block, in PERM order.
- * tb: [nbytes][32] code bytes; lut: [2 * nbytes][16] uint8. */
+ * tb: [nbytes][2][32] low / high nibbles; lut: [2 * nbytes][16] uint8. */
 static void block_sums_generic(const uint8_t *tb, const uint8_t *lut, int64_t nbytes, uint32_t *out) {
     for (int i = 0; i < BLOCK; i++) {
         int v = PERM[i];
         uint32_t s = 0;
-        for (int64_t p = 0; p < nbytes; p++) {
-            uint8_t c = tb[p * BLOCK + v];
-            s += lut[32 * p + (c & 15)] + lut[32 * p + 16 + (c >> 4)];
-        }
+        for (int64_t p = 0; p < nbytes; p++)
+            s += lut[32 * p + tb[2 * BLOCK * p + v]] + lut[32 * p + 16 + tb[2 * BLOCK * p + BLOCK + v]];
         out[i] = s;
     }
 }
 
 /* Everything one block of 32 rows needs to score against a group of queries. */
 typedef struct {
-    const uint8_t *tb;      /* [nbytes][32] transposed codes */
+    const uint8_t *tb;      /* [nbytes][2][32] transposed codes, low / high nibbles */
     const float *scale;     /* [32] per-row scale, PERM order */
     const float *bias;      /* [32] per-row bias, PERM order (-inf for missing rows) */
     int64_t row0;           /* first row of the block */
@@ -175,7 +198,6 @@ AVX2 static inline void widen(__m256i a0, __m256i a1, __m256i *e) {
  * Table entries are at most 127, so a byte's two lookups add without overflow in 8 bits. */
 AVX2 static inline __attribute__((always_inline)) void scan_block_avx2_n(const block_t *b, const query_t *qs,
                                                                           const int NQ, int64_t nbytes) {
-    const __m256i m4 = _mm256_set1_epi8(0x0f);
     __m256i e[4][4];
     for (int j = 0; j < NQ; j++) e[j][0] = e[j][1] = e[j][2] = e[j][3] = _mm256_setzero_si256();
     for (int64_t p0 = 0; p0 < nbytes; p0 += CHUNK) {
@@ -183,9 +205,8 @@ AVX2 static inline __attribute__((always_inline)) void scan_block_avx2_n(const b
         __m256i a[4][2];
         for (int j = 0; j < NQ; j++) a[j][0] = a[j][1] = _mm256_setzero_si256();
         for (int64_t p = p0; p < p1; p++) {
-            __m256i c = _mm256_loadu_si256((const __m256i *)(b->tb + BLOCK * p));
-            __m256i lo = _mm256_and_si256(c, m4);
-            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), m4);
+            __m256i lo = _mm256_loadu_si256((const __m256i *)(b->tb + 2 * BLOCK * p));
+            __m256i hi = _mm256_loadu_si256((const __m256i *)(b->tb + 2 * BLOCK * p + BLOCK));
             for (int j = 0; j < NQ; j++) {
                 const uint8_t *lut = qs[j].lut + 32 * p;
                 __m256i tl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)lut));
@@ -231,7 +252,7 @@ AVX2 static void scan_block_avx2(const block_t *b, const query_t *qs, int nqb, i
 }
 #endif
 
-#define QGROUP 4  /* queries scored together per block */
+#define QGROUP 3  /* queries scored together per block */
 
 typedef void (*scan_fn)(const block_t *, const query_t *, int, int64_t);
 
@@ -281,10 +302,11 @@ static inline void transpose8(uint64_t *x) {
     } while (0)
 
 /* transpose_block for 32 rows that may be read 8 bytes past their end: the 8 x 8 tiles of the four
- * row groups sit in the four 64-bit lanes, so a transposed register is one position's 32 bytes. */
+ * row groups sit in the four 64-bit lanes, so a transposed register is one position's 32 bytes, split
+ * into its nibbles before it is stored. */
 AVX2 static void transpose_block_avx2(const uint8_t *codes, int64_t nbytes, int64_t r0, uint8_t *tb) {
     const __m256i m1 = _mm256_set1_epi64x(0x00FF00FF00FF00FFll), m2 = _mm256_set1_epi64x(0x0000FFFF0000FFFFll),
-                  m4 = _mm256_set1_epi64x(0x00000000FFFFFFFFll);
+                  m4 = _mm256_set1_epi64x(0x00000000FFFFFFFFll), m4b = _mm256_set1_epi8(0x0f);
     for (int64_t p0 = 0; p0 < nbytes; p0 += 8) {
         int w = nbytes - p0 < 8 ? (int)(nbytes - p0) : 8;
         __m256i x[8];
@@ -307,13 +329,18 @@ AVX2 static void transpose_block_avx2(const uint8_t *codes, int64_t nbytes, int6
         SWAP_UNITS256(x[1], x[5], m4, 32);
         SWAP_UNITS256(x[2], x[6], m4, 32);
         SWAP_UNITS256(x[3], x[7], m4, 32);
-        for (int j = 0; j < w; j++) _mm256_storeu_si256((__m256i *)(tb + (p0 + j) * BLOCK), x[j]);
+        for (int j = 0; j < w; j++) {
+            uint8_t *dst = tb + 2 * (p0 + j) * BLOCK;
+            _mm256_storeu_si256((__m256i *)dst, _mm256_and_si256(x[j], m4b));
+            _mm256_storeu_si256((__m256i *)(dst + BLOCK), _mm256_and_si256(_mm256_srli_epi16(x[j], 4), m4b));
+        }
     }
 }
 #endif
 
 /* Transposes rows [r0, r0 + cnt) (cnt <= BLOCK) of codes [*, n_all rows, nbytes] into tb
- * [nbytes][BLOCK] (missing rows are zero), 8 x 8 byte tiles at a time. */
+ * [nbytes][2][BLOCK], the low and high nibbles of each position apart (missing rows are zero), 8 x 8
+ * byte tiles at a time. */
 static void transpose_block(const uint8_t *codes, int64_t nbytes, int64_t r0, int cnt, int64_t n_all, int simd,
                             uint8_t *tb) {
 #ifdef TQ_X86
@@ -334,16 +361,27 @@ static void transpose_block(const uint8_t *codes, int64_t nbytes, int64_t r0, in
                 for (int i = 0; i < rows; i++)
                     for (int j = 0; j < w; j++) x[i] |= (uint64_t)src[i * nbytes + j] << (8 * j);
             transpose8(x);
-            for (int j = 0; j < w; j++) memcpy(tb + (p0 + j) * BLOCK + g, &x[j], 8);
+            for (int j = 0; j < w; j++) {
+                uint64_t lo = x[j] & 0x0F0F0F0F0F0F0F0Full, hi = (x[j] >> 4) & 0x0F0F0F0F0F0F0F0Full;
+                memcpy(tb + 2 * (p0 + j) * BLOCK + g, &lo, 8);
+                memcpy(tb + 2 * (p0 + j) * BLOCK + BLOCK + g, &hi, 8);
+            }
         }
     }
 }
 
-/* sum_t table[t][nibble_t(row)] over the 2 * nbytes nibbles of one code row (float tables). */
+/* sum_t table[t][nibble_t(row)] over the 2 * nbytes nibbles of one code row (float tables), in four
+ * partial sums so the additions overlap. */
 static float row_dot(const uint8_t *row, const float *table, int64_t nbytes) {
-    float s = 0.f;
-    for (int64_t p = 0; p < nbytes; p++) s += table[32 * p + (row[p] & 15)] + table[32 * p + 16 + (row[p] >> 4)];
-    return s;
+    float s[4] = {0.f, 0.f, 0.f, 0.f};
+    int64_t p = 0;
+    for (; p + 2 <= nbytes; p += 2) {
+        const float *t = table + 32 * p;
+        s[0] += t[row[p] & 15], s[1] += t[16 + (row[p] >> 4)];
+        s[2] += t[32 + (row[p + 1] & 15)], s[3] += t[48 + (row[p + 1] >> 4)];
+    }
+    if (p < nbytes) s[0] += table[32 * p + (row[p] & 15)], s[1] += table[32 * p + 16 + (row[p] >> 4)];
+    return (s[0] + s[1]) + (s[2] + s[3]);
 }
 
 /* Approximate stage: the `depth` best approximate scores of code rows [0, n) per query, in no order,
@@ -353,6 +391,9 @@ static float row_dot(const uint8_t *row, const float *table, int64_t nbytes) {
  * codes [n, nbytes] uint8; scale [n] float; sq_table [2 nbytes, 16] float or NULL; qtab
  * [nq, 2 nbytes, 16] uint8 (entries <= 127) with qmul, qadd [nq]; qoffset [nq] or NULL.
  * allow_simd = 0 forces the portable loop. */
+/* Query tables of at most this many bytes are scanned together, so they stay in the L2 cache. */
+#define TABLE_CHUNK_BYTES (192 << 10)
+
 int tq_fastscan_candidates(const uint8_t *codes, int64_t n, int64_t nbytes, const float *scale,
                            const float *sq_table, int64_t nq, const uint8_t *qtab, const float *qmul,
                            const float *qadd, const float *qoffset, int64_t depth, float *cval, int64_t *crow,
@@ -361,52 +402,57 @@ int tq_fastscan_candidates(const uint8_t *codes, int64_t n, int64_t nbytes, cons
     if (n <= 0 || nq <= 0 || depth <= 0) return 0;
     scan_fn scan = pick_scan(allow_simd);
     int simd = scan != scan_block_generic;
-    const int64_t tsize = 2 * nbytes * 16;
-    uint8_t *tb = malloc((size_t)(GROUP * BLOCK * nbytes));
-    float *rval = malloc(sizeof(float) * (size_t)(2 * nq * depth));
-    int64_t *rrow = malloc(sizeof(int64_t) * (size_t)(2 * nq * depth));
-    reservoir_t *res = malloc(sizeof(reservoir_t) * (size_t)nq);
-    float *tmp = malloc(sizeof(float) * (size_t)(2 * depth));
+    const int64_t tsize = 2 * nbytes * 16, cap = 2 * depth;
+    int64_t chunk = TABLE_CHUNK_BYTES / tsize;
+    chunk = chunk < QGROUP ? QGROUP : chunk > nq ? nq : chunk;
+    uint8_t *tb = malloc((size_t)(GROUP * 2 * BLOCK * nbytes));
+    float *rval = malloc(sizeof(float) * (size_t)(chunk * cap));
+    int64_t *rrow = malloc(sizeof(int64_t) * (size_t)(chunk * cap));
+    reservoir_t *res = malloc(sizeof(reservoir_t) * (size_t)chunk);
+    int32_t *tmp = malloc(sizeof(int32_t) * (size_t)cap);
     if (!tb || !rval || !rrow || !res || !tmp) {
         free(tb), free(rval), free(rrow), free(res), free(tmp);
         return -1;
     }
-    for (int64_t q = 0; q < nq; q++)
-        res[q] = (reservoir_t){rval + 2 * q * depth, rrow + 2 * q * depth, 0, depth, -INFINITY, tmp};
     float sp[GROUP][BLOCK], bp[GROUP][BLOCK];
     block_t blk[GROUP];
     query_t qg[QGROUP];
-    for (int64_t g0 = 0; g0 < n; g0 += GROUP * BLOCK) {
-        int nblk = 0;
-        for (; nblk < GROUP && g0 + nblk * BLOCK < n; nblk++) {
-            int64_t r0 = g0 + nblk * BLOCK;
-            int cnt = n - r0 < BLOCK ? (int)(n - r0) : BLOCK;
-            uint8_t *tbb = tb + nblk * BLOCK * nbytes;
-            transpose_block(codes, nbytes, r0, cnt, n, simd, tbb);
-            for (int i = 0; i < BLOCK; i++) {
-                int v = PERM[i];
-                float s = v < cnt ? scale[r0 + v] : 0.f;
-                sp[nblk][i] = s;
-                bp[nblk][i] = v >= cnt ? -INFINITY  /* missing rows never win */
-                              : sq_table ? -s * s * row_dot(codes + (r0 + v) * nbytes, sq_table, nbytes) : 0.f;
+    for (int64_t c0 = 0; c0 < nq; c0 += chunk) {
+        int64_t c1 = c0 + chunk < nq ? c0 + chunk : nq;
+        for (int64_t q = c0; q < c1; q++)
+            res[q - c0] = (reservoir_t){rval + (q - c0) * cap, rrow + (q - c0) * cap, 0, depth, -INFINITY, tmp, simd};
+        for (int64_t g0 = 0; g0 < n; g0 += GROUP * BLOCK) {
+            int nblk = 0;
+            for (; nblk < GROUP && g0 + nblk * BLOCK < n; nblk++) {
+                int64_t r0 = g0 + nblk * BLOCK;
+                int cnt = n - r0 < BLOCK ? (int)(n - r0) : BLOCK;
+                uint8_t *tbb = tb + nblk * 2 * BLOCK * nbytes;
+                transpose_block(codes, nbytes, r0, cnt, n, simd, tbb);
+                for (int i = 0; i < BLOCK; i++) {
+                    int v = PERM[i];
+                    float s = v < cnt ? scale[r0 + v] : 0.f;
+                    sp[nblk][i] = s;
+                    bp[nblk][i] = v >= cnt ? -INFINITY  /* missing rows never win */
+                                  : sq_table ? -s * s * row_dot(codes + (r0 + v) * nbytes, sq_table, nbytes) : 0.f;
+                }
+                blk[nblk] = (block_t){tbb, sp[nblk], bp[nblk], r0};
             }
-            blk[nblk] = (block_t){tbb, sp[nblk], bp[nblk], r0};
-        }
-        for (int64_t q0 = 0; q0 < nq; q0 += QGROUP) {
-            int nqb = nq - q0 < QGROUP ? (int)(nq - q0) : QGROUP;
-            for (int j = 0; j < nqb; j++) {
-                int64_t q = q0 + j;
-                qg[j] = (query_t){qtab + q * tsize, qmul[q], qadd[q], qoffset ? qoffset[q] : 0.f, res + q};
+            for (int64_t q0 = c0; q0 < c1; q0 += QGROUP) {
+                int nqb = c1 - q0 < QGROUP ? (int)(c1 - q0) : QGROUP;
+                for (int j = 0; j < nqb; j++) {
+                    int64_t q = q0 + j;
+                    qg[j] = (query_t){qtab + q * tsize, qmul[q], qadd[q], qoffset ? qoffset[q] : 0.f, res + q - c0};
+                }
+                for (int b = 0; b < nblk; b++) scan(blk + b, qg, nqb, nbytes);
             }
-            for (int b = 0; b < nblk; b++) scan(blk + b, qg, nqb, nbytes);
         }
-    }
-    for (int64_t q = 0; q < nq; q++) {
-        reservoir_t *r = res + q;
-        if (r->n > depth) reservoir_shrink(r, r->tmp);
-        int64_t m = r->n < depth ? r->n : depth;
-        memcpy(cval + q * depth, r->val, sizeof(float) * (size_t)m);
-        memcpy(crow + q * depth, r->row, sizeof(int64_t) * (size_t)m);
+        for (int64_t q = c0; q < c1; q++) {
+            reservoir_t *r = res + q - c0;
+            if (r->n > depth) reservoir_shrink(r);
+            int64_t m = r->n < depth ? r->n : depth;
+            memcpy(cval + q * depth, r->val, sizeof(float) * (size_t)m);
+            memcpy(crow + q * depth, r->row, sizeof(int64_t) * (size_t)m);
+        }
     }
     free(tb), free(rval), free(rrow), free(res), free(tmp);
     return 0;
