@@ -31,6 +31,14 @@ def test_quantized_tables_bound_the_error():
     assert int(u8.max()) == 0 and float(add[0]) == 4.0
 
 
+@pytest.mark.parametrize("shape", [(5, 50, 16), (1, 3, 16)])
+def test_compiled_table_quantization_equals_the_reference(shape):
+    t = torch.randn(*shape, generator=torch.Generator().manual_seed(3)) * torch.rand(shape[0], 1, 1) * 4
+    t[-1] = 0.5  # a constant query: step 1, all entries 0
+    for got, want in zip(fs.compiled_quantize_tables(t), fs.quantize_tables(t)):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("bits,dim", [(4, 50), (2, 33), (1, 70), (4, 600)])  # 600: > 256 byte positions
 @pytest.mark.parametrize("l2", [False, True])
 @pytest.mark.parametrize("simd", [True, False])

@@ -53,13 +53,23 @@ TABLE_MAX = 127
 
 def quantize_tables(tables: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Float tables [m, T, 16] -> (uint8 tables [m, T, 16] in [0, TABLE_MAX], mul [m], add [m]) with
-    ``Σ_t tables[i, t, v_t] ≈ mul[i] · Σ_t u8[i, t, v_t] + add[i]`` (each entry off by at most mul/2)."""
+    ``Σ_t tables[i, t, v_t] ≈ mul[i] · Σ_t u8[i, t, v_t] + add[i]`` (each entry off by at most mul/2).
+    The PyTorch reference of :func:`compiled_quantize_tables`."""
     low = tables.amin(-1, keepdim=True)  # [m, T, 1]
     span = tables - low
     mul = span.amax(dim=(1, 2)) / TABLE_MAX  # [m]
     mul = torch.where(mul > 0, mul, torch.ones_like(mul))
     u8 = span.mul_((1 / mul)[:, None, None]).round_().clamp_(0, TABLE_MAX).to(torch.uint8)
     return u8, mul, low.sum((1, 2))
+
+
+def compiled_quantize_tables(tables: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`quantize_tables` by the kernel library (one pass over float32 [m, T, 16], no temporaries)."""
+    tables = tables.float().contiguous()
+    m, T = tables.shape[0], tables.shape[1]
+    u8, mul, add = torch.empty(m, T, 16, dtype=torch.uint8), torch.empty(m), torch.empty(m)
+    native.require().tq_quantize_tables(tables.data_ptr(), m, T, u8.data_ptr(), mul.data_ptr(), add.data_ptr())
+    return u8, mul, add
 
 
 def reference_scores(qdata: np.ndarray, scale: np.ndarray, sq_table: np.ndarray | None, qtab: np.ndarray,
@@ -127,7 +137,7 @@ class FastScan:
     def tables(self, qs: Tensor) -> ScanTables:
         """Tables of rotated queries qs [m, dim] (already doubled for "l2")."""
         exact = self.lut.nibble_tables(qs.float()).contiguous()
-        return ScanTables(exact, *quantize_tables(exact))
+        return ScanTables(exact, *compiled_quantize_tables(exact))
 
     def run(self, tables: ScanTables, codes: Codes, labels: Tensor | int, top: "TopK", rows: Tensor | None, l2: bool,
             offset: Tensor | None = None) -> None:

@@ -20,6 +20,7 @@ _SIGNATURES = {
     "tq_fastscan": (_C, [_P, _I, _I, _P, _P, _P, _I, _I, _P, _P, _P, _P, _P, _I, _P, _I, _P, _P, _C]),
     "tq_fastscan_candidates": (_C, [_P, _I, _I, _P, _P, _I, _P, _P, _P, _P, _I, _P, _P, _C]),
     "tq_fastscan_simd": (_C, []),
+    "tq_quantize_tables": (None, [_P, _I, _I, _P, _P, _P]),
     "tq_quantize_direction": (_C, [_P, _I, _I, _P, _I, _I, _P, _P, _P, _P, _P, _P, _P, _C]),
 }
 

@@ -27,6 +27,7 @@
 
 #define BLOCK 32          /* rows looked up together */
 #define GROUP 8           /* blocks transposed together (256 rows) */
+#define TABLE_MAX 127     /* largest quantized table entry: a byte's two lookups add in 8 bits */
 #define CHUNK 256         /* byte positions summed in 16-bit lanes before widening to 32 bits */
 
 /* Row order of the 32 sums a block produces: even rows 0..14, 16..30, then odd rows 1..15, 17..31. */
@@ -266,6 +267,43 @@ static scan_fn pick_scan(int allow_simd) {
 
 /* 1 when the SIMD path serves this CPU. */
 int tq_fastscan_simd(void) { return pick_scan(1) != scan_block_generic; }
+
+/* ------------------------------------------------------------------------------------- tables */
+
+/* Quantizes float tables [m, T, 16] to uint8 [m, T, 16] in [0, 127] with, per query i,
+ * sum_t tables[i, t, v_t] ~= mul[i] * sum_t u8[i, t, v_t] + add[i]: each table is shifted to start at
+ * 0 (the shifts sum to add[i]) and all of a query's tables share one step mul[i] (the rule of
+ * fastscan.quantize_tables, its reference). */
+void tq_quantize_tables(const float *tables, int64_t m, int64_t T, uint8_t *u8, float *mul, float *add) {
+    for (int64_t i = 0; i < m; i++) {
+        const float *t = tables + i * T * 16;
+        uint8_t *o = u8 + i * T * 16;
+        float span = 0.f, low_sum = 0.f;
+        for (int64_t j = 0; j < T; j++) {
+            float lo = t[16 * j], hi = t[16 * j];
+            for (int v = 1; v < 16; v++) {
+                float x = t[16 * j + v];
+                lo = x < lo ? x : lo;
+                hi = x > hi ? x : hi;
+            }
+            span = hi - lo > span ? hi - lo : span;
+            low_sum += lo;
+        }
+        float step = span / TABLE_MAX;
+        step = step > 0.f ? step : 1.f;
+        float inv = 1.f / step;
+        for (int64_t j = 0; j < T; j++) {
+            float lo = t[16 * j];
+            for (int v = 1; v < 16; v++) lo = t[16 * j + v] < lo ? t[16 * j + v] : lo;
+            for (int v = 0; v < 16; v++) {  /* + 1.5 * 2^23 rounds to the nearest integer, ties to even */
+                float x = ((t[16 * j + v] - lo) * inv + 12582912.f) - 12582912.f;
+                o[16 * j + v] = (uint8_t)(x > TABLE_MAX ? TABLE_MAX : x);
+            }
+        }
+        mul[i] = step;
+        add[i] = low_sum;
+    }
+}
 
 /* -------------------------------------------------------------------------------------- scanning */
 
