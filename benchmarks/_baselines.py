@@ -90,12 +90,18 @@ def spread_layout(dim: int, m: int) -> tuple[int, np.ndarray]:
     return m * dsub, np.asarray(cols, np.int64)
 
 
+_CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+
 def set_threads(n: int) -> None:
-    """Use n threads in faiss (OpenMP) and torch."""
+    """Use n threads in faiss (OpenMP) and torch, on the first n of the CPUs this process started
+    with (pinned, so timings do not move with the scheduler; child processes inherit it)."""
     import torch
 
     _faiss().omp_set_num_threads(n)
     torch.set_num_threads(n)
+    if _CPUS:
+        os.sched_setaffinity(0, _CPUS[: max(1, n)])
 
 
 def best_time(fn: Callable[[], Any], repeats: int, budget_s: float) -> float:
@@ -374,6 +380,7 @@ class TurbovecBaseline(Baseline):
                      budget_s: float = float("inf")) -> float:
         """As :meth:`Baseline.timed_search`, in a child process whose rayon pool has ``threads``
         threads (the index travels as a turbovec file)."""
+        set_threads(threads)
         with tempfile.TemporaryDirectory() as tmp:
             path, qpath = Path(tmp) / "index.tv", Path(tmp) / "q.npy"
             self.index.write(str(path), durable=False)

@@ -110,26 +110,35 @@ static void reservoir_shrink(reservoir_t *r) {
         lo = k < lo ? k : lo;
         hi = k > hi ? k : hi;
     }
-    /* count(>= lo) >= keep > count(>= hi + 1): narrow to the keep-th largest key */
-    int64_t above = 0;  /* entries above the final threshold */
-    if (COUNT(keys, r->n, hi) >= r->keep) lo = hi;
+    /* count(>= lo) >= keep > count(>= top): narrow to the keep-th largest key */
+    int64_t above = 0, at_lo = r->n;  /* entries above the final threshold, at or above it */
+    if (COUNT(keys, r->n, hi) >= r->keep) lo = hi, at_lo = COUNT(keys, r->n, hi);
     else {
-        int64_t top = hi;  /* count(>= top) < keep */
+        int64_t top = hi;
         above = COUNT(keys, r->n, (int32_t)top);
         while (top - lo > 1) {
             int32_t mid = (int32_t)(lo + (top - lo) / 2);
             int64_t c = COUNT(keys, r->n, mid);
-            if (c >= r->keep) lo = mid;
+            if (c >= r->keep) lo = mid, at_lo = c;
             else top = mid, above = c;
         }
     }
-    int64_t ties = r->keep - above, m = 0;  /* entries equal to the threshold that stay */
-    for (int64_t i = 0; i < r->n; i++) {
-        int tie = keys[i] == lo, take = (keys[i] > lo) | (tie & (ties > 0));
-        ties -= tie & take;
-        r->val[m] = r->val[i];
-        r->row[m] = r->row[i];
-        m += take;
+    int64_t m = 0;
+    if (at_lo == r->keep) {  /* no surplus ties at the threshold */
+        for (int64_t i = 0; i < r->n; i++) {
+            r->val[m] = r->val[i];
+            r->row[m] = r->row[i];
+            m += keys[i] >= lo;
+        }
+    } else {
+        int64_t ties = r->keep - above;  /* entries equal to the threshold that stay */
+        for (int64_t i = 0; i < r->n; i++) {
+            int tie = keys[i] == lo, take = (keys[i] > lo) | (tie & (ties > 0));
+            ties -= tie & take;
+            r->val[m] = r->val[i];
+            r->row[m] = r->row[i];
+            m += take;
+        }
     }
     r->n = r->keep;
     memcpy(&r->thr, &(int32_t){lo ^ ((lo >> 31) & 0x7fffffff)}, sizeof r->thr);
