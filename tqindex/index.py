@@ -159,9 +159,10 @@ class TopK:
                                                faiss.cast_integer_to_idx_t_ptr(labels.data_ptr()), values.shape[1])
 
     def result(self) -> tuple[Tensor, Tensor]:
-        """(values [nq, k] float32, labels [nq, k] int64), best first; -inf and -1 where nothing was found."""
-        values, order = torch.sort(self.values, dim=1, descending=True)
-        return values, self.labels.gather(1, order)
+        """(values [nq, k] float32, labels [nq, k] int64), best first; -inf and -1 where nothing was found.
+        Sorts the heaps in place (faiss, parallel over rows): nothing may be pushed afterwards."""
+        self._heaps.reorder()  # pads with -FLT_MAX
+        return self.values.masked_fill_(self.labels < 0, -math.inf), self.labels
 
 
 @dataclass
@@ -459,25 +460,24 @@ class BaseIndex(ABC):
 
     def _all_ids(self) -> Tensor:
         """Every stored id, list after list: int64 [ntotal]."""
-        return self._id_table()[0]
+        return self._id_table()[0][:-1]
 
     def _id_table(self) -> tuple[Tensor, Tensor]:
-        """(all ids list after list int64 [ntotal], start of each list int64 [nlists]), rebuilt when the
-        lists change (add and remove replace ``_lists``)."""
+        """(all ids list after list and then a -1, int64 [ntotal + 1]; start of each list int64 [nlists]),
+        rebuilt when the lists change (add and remove replace ``_lists``)."""
         if self._id_cache[0] is not self._lists:
             sizes = torch.tensor([c.size for c in self._lists])
-            self._id_cache = (self._lists, torch.cat([c.live_ids for c in self._lists]), sizes.cumsum(0) - sizes)
+            ids = torch.cat([c.live_ids for c in self._lists] + [torch.full((1,), -1)])
+            self._id_cache = (self._lists, ids, sizes.cumsum(0) - sizes)
         return self._id_cache[1], self._id_cache[2]
 
     def _ids_of(self, labels: Tensor) -> Tensor:
         """Ids of labels (any shape; -1 stays -1)."""
         ids, starts = self._id_table()
-        valid = labels >= 0
-        if not bool(valid.any()):
-            return torch.full_like(labels, -1)
-        lab = torch.where(valid, labels, 0)
-        pos = torch.where(valid, starts[lab >> LIST_SHIFT] + (lab & ((1 << LIST_SHIFT) - 1)), 0)
-        return torch.where(valid, ids[pos], -1)
+        if len(starts) == 1:  # labels are rows; -1 picks the trailing -1
+            return ids[labels]
+        pos = starts[labels >> LIST_SHIFT] + (labels & ((1 << LIST_SHIFT) - 1))
+        return ids[torch.where(labels >= 0, pos, -1)]
 
     def _vectors_of(self, labels: Tensor) -> Tensor:
         """Kept vectors of labels [m, depth] -> [m, depth, dim] (zeros for label -1)."""
