@@ -16,7 +16,7 @@ def setup(bits: int, dim: int, n: int, nq: int, l2: bool, seed: int = 0):
     codes = enc.encode(torch.randn(n, dim, generator=g) * torch.rand(n, 1, generator=g) * 3)
     scan = fs.FastScan(LookupTables(enc))
     qs = enc.prepare_queries(torch.randn(nq, dim, generator=g)) * (2 if l2 else 1)
-    return enc, codes, scan, scan.tables(qs), (scan.sq if l2 else None)
+    return enc, codes, scan, fs.compiled_quantize_tables(scan.tables(qs)), (scan.sq if l2 else None)
 
 
 def test_quantized_tables_bound_the_error():
@@ -44,33 +44,60 @@ def test_compiled_table_quantization_equals_the_reference(shape):
 @pytest.mark.parametrize("simd", [True, False])
 def test_candidates_equal_the_numpy_reference(bits, dim, l2, simd):
     n = 300  # not a multiple of the 32-row blocks
-    enc, codes, scan, tabs, sq = setup(bits, dim, n, 6, l2)
+    enc, codes, scan, (qtab, mul, add), sq = setup(bits, dim, n, 6, l2)
     scale = codes.norm.float()
-    val, row = fs.kernel_candidates(codes.qdata, scale, sq, tabs, n, allow_simd=simd)
+    val, row = fs.kernel_candidates(codes.qdata, scale, sq, qtab, mul, add, n, allow_simd=simd)
     assert sorted(row[0].tolist()) == list(range(n))  # depth = n: every row, best first
     assert (val[:, 1:] <= val[:, :-1]).all()
     ref = fs.reference_scores(codes.qdata.numpy(), scale.numpy(), None if sq is None else sq.numpy(),
-                              tabs.quantized.numpy(), tabs.mul.double().numpy(), tabs.add.double().numpy())
+                              qtab.numpy(), mul.double().numpy(), add.double().numpy())
     got = np.take_along_axis(ref, row.numpy(), 1)
     # one unit of the integer sum moves a score by mul * scale: the tolerance is a fraction of that
-    tol = 0.25 * tabs.mul.numpy()[:, None] * scale.numpy()[row.numpy()] + 1e-5 * np.abs(ref).max()
+    tol = 0.25 * mul.numpy()[:, None] * scale.numpy()[row.numpy()] + 1e-5 * np.abs(ref).max()
     assert (np.abs(val.numpy() - got) <= tol).all()
     # a smaller depth keeps the best approximate scores
-    val20, row20 = fs.kernel_candidates(codes.qdata, scale, sq, tabs, 20, allow_simd=simd)
+    val20, row20 = fs.kernel_candidates(codes.qdata, scale, sq, qtab, mul, add, 20, allow_simd=simd)
     torch.testing.assert_close(val20, val[:, :20])
 
 
 def test_simd_and_portable_loops_agree():
     if not fs.simd():
         pytest.skip("no AVX2 on this CPU")
-    _, codes, _, tabs, _ = setup(4, 64, 1000, 9, False)
+    _, codes, _, (qtab, mul, add), _ = setup(4, 64, 1000, 9, False)
     scale = codes.norm.float()
-    a = fs.kernel_candidates(codes.qdata, scale, None, tabs, 1000, allow_simd=True)
-    b = fs.kernel_candidates(codes.qdata, scale, None, tabs, 1000, allow_simd=False)
+    a = fs.kernel_candidates(codes.qdata, scale, None, qtab, mul, add, 1000, allow_simd=True)
+    b = fs.kernel_candidates(codes.qdata, scale, None, qtab, mul, add, 1000, allow_simd=False)
     va = torch.empty_like(a[0]).scatter_(1, a[1], a[0])  # scores by row
     vb = torch.empty_like(b[0]).scatter_(1, b[1], b[0])
     # the same integer sums; only float rounding (fused or not) differs
-    assert ((va - vb).abs() <= 0.1 * tabs.mul[:, None] * scale).all()
+    assert ((va - vb).abs() <= 0.1 * mul[:, None] * scale).all()
+
+
+@pytest.mark.parametrize("adversarial", [False, True])
+def test_sampled_threshold_keeps_the_exact_candidates(adversarial):
+    """depth 128 over 20,000 rows: the kernel first scores every 16th block to start at a high threshold.
+    When those sampled blocks hold the best rows, the estimate is too high and the query is rescanned;
+    either way the candidates are the depth best approximate scores."""
+    n, depth, bits, dim = 20_000, 128, 4, 32
+    enc, codes, scan, (qtab, mul, add), _ = setup(bits, dim, n, 5, False)
+    scale = codes.norm.float()
+    ref = fs.reference_scores(codes.qdata.numpy(), scale.numpy(), None, qtab.numpy(), mul.double().numpy(),
+                              add.double().numpy())
+    qdata = codes.qdata
+    if adversarial:  # move query 0's best rows into the sampled blocks 0, 16, 32, ...
+        best = np.argsort(-ref[0])[:2 * depth]
+        sampled = (np.arange(n) // 32) % 16 == 0
+        order = np.concatenate([best, np.setdiff1d(np.arange(n), best)])
+        slots = np.concatenate([np.flatnonzero(sampled), np.flatnonzero(~sampled)])
+        perm = np.empty(n, np.int64)
+        perm[slots] = order
+        qdata, scale, ref = qdata[perm], scale[perm], ref[:, perm]
+    val, row = fs.kernel_candidates(qdata, scale, None, qtab, mul, add, depth)
+    want = -np.sort(-ref, axis=1)[:, :depth]
+    tol = 0.25 * mul.numpy()[:, None] * scale.numpy().max() + 1e-6
+    assert (np.abs(val.numpy() - want) <= tol).all()  # the depth best, in order
+    got = np.take_along_axis(ref, row.numpy(), 1)
+    assert (np.abs(val.numpy() - got) <= tol).all()
 
 
 @pytest.mark.parametrize("nq", [1, 3, 37])

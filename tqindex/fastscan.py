@@ -1,11 +1,11 @@
 """Compiled nibble lookup-table scan of 1/2/4-bit codes (TurboQuantMSE, TurboQuantPCA; ``csrc/fastscan.c``).
 
 Each 4-bit nibble of a packed code row holds whole codes, so a query's score is ``s · Σ_t T[t][nibble_t]``
-over the row's 2·P nibbles (:meth:`LookupTables.nibble_tables`). The kernel quantizes nothing itself:
-:func:`quantize_tables` turns the float tables into uint8 tables plus a per-query affine map, the
-kernel sums 32 rows at a time with byte shuffles (AVX2; a portable C loop elsewhere gives the same
-integers), keeps ``depth`` approximate candidates per query, re-scores them exactly with the float
-tables and merges them into a :class:`~tqindex.index.TopK`. Work is split over ``torch.get_num_threads()``
+over the row's 2·P nibbles (:meth:`LookupTables.nibble_tables`). The kernel turns the float tables into
+uint8 tables plus a per-query affine map (:func:`quantize_tables` is the reference of that rule), sums
+32 rows at a time with byte shuffles (AVX2; a portable C loop elsewhere gives the same integers), keeps
+``depth`` approximate candidates per query, re-scores them exactly with the float tables and merges
+them into a :class:`~tqindex.index.TopK`. Work is split over ``torch.get_num_threads()``
 threads (by queries, or by rows for a few queries).
 
 The kernel is built by ``pip install`` when a C compiler is present (``native.py``); :func:`available`
@@ -16,7 +16,6 @@ reference of the approximate scores (:func:`kernel_candidates` runs that stage a
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -64,7 +63,7 @@ def quantize_tables(tables: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def compiled_quantize_tables(tables: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`quantize_tables` by the kernel library (one pass over float32 [m, T, 16], no temporaries)."""
+    """:func:`quantize_tables` as the kernel does it (``tq_quantize_tables``, inside every scan)."""
     tables = tables.float().contiguous()
     m, T = tables.shape[0], tables.shape[1]
     u8, mul, add = torch.empty(m, T, 16, dtype=torch.uint8), torch.empty(m), torch.empty(m)
@@ -88,18 +87,20 @@ def reference_scores(qdata: np.ndarray, scale: np.ndarray, sq_table: np.ndarray 
     return out
 
 
-def kernel_candidates(qdata: Tensor, scale: Tensor, sq_table: Tensor | None, tables: "ScanTables", depth: int,
-                      allow_simd: bool = True) -> tuple[Tensor, Tensor]:
+def kernel_candidates(qdata: Tensor, scale: Tensor, sq_table: Tensor | None, qtab: Tensor, mul: Tensor, add: Tensor,
+                      depth: int, allow_simd: bool = True) -> tuple[Tensor, Tensor]:
     """The kernel's approximate stage alone: the ``depth`` best approximate scores of qdata uint8 [n, P]
-    (scale float32 [n]) per query -> (scores float32 [m, depth], rows int64 [m, depth]), best first."""
+    (scale float32 [n]) per query, for quantized tables (qtab uint8 [m, 2P, 16], mul and add float32 [m],
+    from :func:`quantize_tables`) -> (scores float32 [m, depth], rows int64 [m, depth]), best first."""
     lib = native.require()
-    qdata, scale = qdata.contiguous(), scale.float().contiguous()
-    m = tables.quantized.shape[0]
+    qdata, scale, qtab = qdata.contiguous(), scale.float().contiguous(), qtab.contiguous()
+    mul, add = mul.float().contiguous(), add.float().contiguous()
+    m = qtab.shape[0]
     val, row = torch.empty(m, depth), torch.empty(m, depth, dtype=torch.int64)
     status = lib.tq_fastscan_candidates(
         qdata.data_ptr(), qdata.shape[0], qdata.shape[1], scale.data_ptr(),
-        _ptr(None if sq_table is None else sq_table.contiguous()), m, tables.quantized.data_ptr(),
-        tables.mul.data_ptr(), tables.add.data_ptr(), None, depth, val.data_ptr(), row.data_ptr(), int(allow_simd))
+        _ptr(None if sq_table is None else sq_table.contiguous()), m, qtab.data_ptr(), mul.data_ptr(),
+        add.data_ptr(), None, depth, val.data_ptr(), row.data_ptr(), int(allow_simd))
     if status != 0:
         raise MemoryError("the scan kernel could not allocate its buffers")
     val, order = torch.sort(val, dim=1, descending=True)
@@ -111,20 +112,6 @@ def candidate_depth(k: int) -> int:
     return k + max(16, k)
 
 
-@dataclass
-class ScanTables:
-    """Per-query tables for :meth:`FastScan.run` (m queries, T = 2P nibbles)."""
-
-    exact: Tensor  # float32 [m, T, 16]
-    quantized: Tensor  # uint8 [m, T, 16]
-    mul: Tensor  # float32 [m]
-    add: Tensor  # float32 [m]
-
-    def rows(self, rows: Tensor) -> "ScanTables":
-        """The tables of query rows ``rows`` (int64)."""
-        return ScanTables(*(t.index_select(0, rows) for t in (self.exact, self.quantized, self.mul, self.add)))
-
-
 class FastScan:
     """Scores 1/2/4-bit codes with the compiled kernel into a running top-k."""
 
@@ -132,19 +119,19 @@ class FastScan:
         native.require()
         self.lut = lut
         self.sq = lut.nibble_tables(None).contiguous()  # [T, 16] partial sums of c² ("l2" scores)
-        self.table_bytes = self.sq.numel() * 5  # one query's tables (float32 + uint8)
+        self.table_bytes = self.sq.numel() * 5  # one query's tables (float32 here + uint8 in the kernel)
 
-    def tables(self, qs: Tensor) -> ScanTables:
-        """Tables of rotated queries qs [m, dim] (already doubled for "l2")."""
-        exact = self.lut.nibble_tables(qs.float()).contiguous()
-        return ScanTables(exact, *compiled_quantize_tables(exact))
+    def tables(self, qs: Tensor) -> Tensor:
+        """Float nibble tables [m, 2P, 16] of rotated queries qs [m, dim] (already doubled for "l2");
+        the kernel quantizes them itself."""
+        return self.lut.nibble_tables(qs.float()).contiguous()
 
-    def run(self, tables: ScanTables, codes: Codes, labels: Tensor | int, top: "TopK", rows: Tensor | None, l2: bool,
+    def run(self, tables: Tensor, codes: Codes, labels: Tensor | int, top: "TopK", rows: Tensor | None, l2: bool,
             offset: Tensor | None = None) -> None:
         """Merge the exact top-k of codes [n] into ``top`` (a TopK [*, k]). Row i is labelled
         ``labels[i]`` (int64 tensor) or ``labels + i`` (int); table row j merges into heap row ``rows[j]``
         (j when None), its scores plus ``offset[j]``."""
-        n, m = len(codes), tables.exact.shape[0]
+        n, m = len(codes), tables.shape[0]
         if n == 0 or m == 0:
             return
         lib = native.require()
@@ -161,9 +148,8 @@ class FastScan:
             hv, hi = (val, ids) if heap_rows is not None else (val[q0:], ids[q0:])
             return lib.tq_fastscan(
                 qdata[r0:].data_ptr(), r1 - r0, qdata.shape[1], scale[r0:].data_ptr(), _ptr(sq),
-                None if labels is None else labels[r0:].data_ptr(), base + r0, q1 - q0,
-                tables.quantized[q0:].data_ptr(), tables.mul[q0:].data_ptr(), tables.add[q0:].data_ptr(),
-                tables.exact[q0:].data_ptr(), None if offset is None else offset[q0:].data_ptr(), depth,
+                None if labels is None else labels[r0:].data_ptr(), base + r0, q1 - q0, tables[q0:].data_ptr(),
+                None if offset is None else offset[q0:].data_ptr(), depth,
                 None if heap_rows is None else heap_rows[q0:].data_ptr(), k, hv.data_ptr(), hi.data_ptr(), 1)
 
         if threads == 1 or m >= threads:  # split the queries

@@ -212,7 +212,7 @@ class BlockScan:
         m, n = qs.shape[0], len(codes) if select is None else len(select)
         if self.fast is not None:
             tables = self.fast.tables(qs) if shift is not None else (
-                self._fast_tables if rows is None else self._fast_tables.rows(rows))
+                self._fast_tables if rows is None else self._fast_tables.index_select(0, rows))
             if select is not None:
                 codes = codes[select]
             labels = label_base if select is None else select + label_base

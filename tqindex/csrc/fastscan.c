@@ -431,16 +431,85 @@ static float row_dot(const uint8_t *row, const float *table, int64_t nbytes) {
     return (s[0] + s[1]) + (s[2] + s[3]);
 }
 
+/* What one scan of code rows shares: the rows, the query tables and a transposition buffer. */
+typedef struct {
+    const uint8_t *codes;   /* [n, nbytes] */
+    int64_t n, nbytes;
+    const float *scale;     /* [n] */
+    const float *sq_table;  /* [2 nbytes, 16] or NULL */
+    const uint8_t *qtab;    /* [nq, 2 nbytes, 16] */
+    const float *qmul, *qadd, *qoffset;
+    scan_fn scan;
+    int simd;
+    uint8_t *tb;            /* [GROUP][nbytes][2][BLOCK] */
+} scan_t;
+
+/* Scores the blocks first, first + stride, ... of 32 rows for queries qidx[0, m) into res[0, m), GROUP
+ * blocks at a time (transposed once, then scanned by every query while they are in the L1 cache). */
+static void scan_blocks(const scan_t *c, int64_t first, int64_t stride, const int64_t *qidx, reservoir_t *res,
+                        int64_t m) {
+    const int64_t nblocks = (c->n + BLOCK - 1) / BLOCK, tsize = 2 * c->nbytes * 16;
+    float sp[GROUP][BLOCK], bp[GROUP][BLOCK];
+    block_t blk[GROUP];
+    query_t qg[QGROUP];
+    for (int64_t b0 = first; b0 < nblocks; b0 += GROUP * stride) {
+        int nblk = 0;
+        for (; nblk < GROUP && b0 + nblk * stride < nblocks; nblk++) {
+            int64_t r0 = (b0 + nblk * stride) * BLOCK;
+            int cnt = c->n - r0 < BLOCK ? (int)(c->n - r0) : BLOCK;
+            uint8_t *tbb = c->tb + nblk * 2 * BLOCK * c->nbytes;
+            transpose_block(c->codes, c->nbytes, r0, cnt, c->n, c->simd, tbb);
+            for (int i = 0; i < BLOCK; i++) {
+                int v = PERM[i];
+                float s = v < cnt ? c->scale[r0 + v] : 0.f;
+                sp[nblk][i] = s;
+                bp[nblk][i] = v >= cnt      ? -INFINITY  /* missing rows never win */
+                              : c->sq_table ? -s * s * row_dot(c->codes + (r0 + v) * c->nbytes, c->sq_table, c->nbytes)
+                                            : 0.f;
+            }
+            blk[nblk] = (block_t){tbb, sp[nblk], bp[nblk], r0};
+        }
+        for (int64_t i0 = 0; i0 < m; i0 += QGROUP) {
+            int nqb = m - i0 < QGROUP ? (int)(m - i0) : QGROUP;
+            for (int j = 0; j < nqb; j++) {
+                int64_t q = qidx[i0 + j];
+                qg[j] = (query_t){c->qtab + q * tsize, c->qmul[q], c->qadd[q], c->qoffset ? c->qoffset[q] : 0.f,
+                                  res + i0 + j};
+            }
+            for (int b = 0; b < nblk; b++) c->scan(blk + b, qg, nqb, c->nbytes);
+        }
+    }
+}
+
+/* The keep-th largest value held (-inf when fewer are held); may shrink the reservoir to keep. */
+static float reservoir_floor(reservoir_t *r) {
+    if (r->n < r->keep) return -INFINITY;
+    if (r->n > r->keep) reservoir_shrink(r);
+    float low = r->val[0];
+    for (int64_t i = 1; i < r->n; i++) low = r->val[i] < low ? r->val[i] : low;
+    return low;
+}
+
+/* Query tables of at most this many bytes are scanned together, so they stay in the L2 cache. */
+#define TABLE_CHUNK_BYTES (192 << 10)
+/* Threshold estimate: a sample of every `stride`-th block, stride = depth / SAMPLE_HITS, is expected to
+ * hold about SAMPLE_HITS rows of the true top `depth` (used when stride >= MIN_SAMPLE_STRIDE). */
+#define SAMPLE_HITS 8
+#define MIN_SAMPLE_STRIDE 8
+
 /* Approximate stage: the `depth` best approximate scores of code rows [0, n) per query, in no order,
  * into cval / crow [nq, depth] (-inf / row -1 where fewer rows exist). Returns 0, or -1 when out of
  * memory.
  *
+ * For a deep top (depth >= SAMPLE_HITS * MIN_SAMPLE_STRIDE) each query first scores a sample of the
+ * blocks and starts the full scan at a threshold t below which its sample has more rows of the true
+ * top than it would hold with probability ~1e-5 (Poisson tail), so few rows enter the reservoir. A
+ * query whose full scan finds fewer than `depth` rows above t is scanned again without it, so the
+ * result never depends on the estimate.
+ *
  * codes [n, nbytes] uint8; scale [n] float; sq_table [2 nbytes, 16] float or NULL; qtab
  * [nq, 2 nbytes, 16] uint8 (entries <= 127) with qmul, qadd [nq]; qoffset [nq] or NULL.
  * allow_simd = 0 forces the portable loop. */
-/* Query tables of at most this many bytes are scanned together, so they stay in the L2 cache. */
-#define TABLE_CHUNK_BYTES (192 << 10)
-
 int tq_fastscan_candidates(const uint8_t *codes, int64_t n, int64_t nbytes, const float *scale,
                            const float *sq_table, int64_t nq, const uint8_t *qtab, const float *qmul,
                            const float *qadd, const float *qoffset, int64_t depth, float *cval, int64_t *crow,
@@ -449,77 +518,83 @@ int tq_fastscan_candidates(const uint8_t *codes, int64_t n, int64_t nbytes, cons
     if (n <= 0 || nq <= 0 || depth <= 0) return 0;
     scan_fn scan = pick_scan(allow_simd);
     int simd = scan != scan_block_generic;
-    const int64_t tsize = 2 * nbytes * 16, cap = 2 * depth;
+    const int64_t tsize = 2 * nbytes * 16, cap = 2 * depth, nblocks = (n + BLOCK - 1) / BLOCK;
+    const int64_t stride = depth / SAMPLE_HITS;
+    const double hits = (double)depth / (double)stride;
+    const int64_t sample_keep = (int64_t)ceil(hits + 4.0 * sqrt(hits) + 4.0);
+    const int sample = stride >= MIN_SAMPLE_STRIDE && nblocks / stride * BLOCK >= 8 * sample_keep;
     int64_t chunk = TABLE_CHUNK_BYTES / tsize;
     chunk = chunk < QGROUP ? QGROUP : chunk > nq ? nq : chunk;
     uint8_t *tb = malloc((size_t)(GROUP * 2 * BLOCK * nbytes));
     float *rval = malloc(sizeof(float) * (size_t)(chunk * cap));
     int64_t *rrow = malloc(sizeof(int64_t) * (size_t)(chunk * cap));
-    reservoir_t *res = malloc(sizeof(reservoir_t) * (size_t)chunk);
+    reservoir_t *res = malloc(sizeof(reservoir_t) * (size_t)chunk), *redo = malloc(sizeof(reservoir_t) * (size_t)chunk);
+    int64_t *qidx = malloc(sizeof(int64_t) * (size_t)chunk), *ridx = malloc(sizeof(int64_t) * (size_t)chunk);
     int32_t *tmp = malloc(sizeof(int32_t) * (size_t)cap);
-    if (!tb || !rval || !rrow || !res || !tmp) {
-        free(tb), free(rval), free(rrow), free(res), free(tmp);
+    float *floor_ = malloc(sizeof(float) * (size_t)chunk);
+    if (!tb || !rval || !rrow || !res || !redo || !qidx || !ridx || !tmp || !floor_) {
+        free(tb), free(rval), free(rrow), free(res), free(redo), free(qidx), free(ridx), free(tmp), free(floor_);
         return -1;
     }
-    float sp[GROUP][BLOCK], bp[GROUP][BLOCK];
-    block_t blk[GROUP];
-    query_t qg[QGROUP];
+    const scan_t ctx = {codes, n, nbytes, scale, sq_table, qtab, qmul, qadd, qoffset, scan, simd, tb};
     for (int64_t c0 = 0; c0 < nq; c0 += chunk) {
-        int64_t c1 = c0 + chunk < nq ? c0 + chunk : nq;
-        for (int64_t q = c0; q < c1; q++)
-            res[q - c0] = (reservoir_t){rval + (q - c0) * cap, rrow + (q - c0) * cap, 0, depth, -INFINITY, tmp, simd};
-        for (int64_t g0 = 0; g0 < n; g0 += GROUP * BLOCK) {
-            int nblk = 0;
-            for (; nblk < GROUP && g0 + nblk * BLOCK < n; nblk++) {
-                int64_t r0 = g0 + nblk * BLOCK;
-                int cnt = n - r0 < BLOCK ? (int)(n - r0) : BLOCK;
-                uint8_t *tbb = tb + nblk * 2 * BLOCK * nbytes;
-                transpose_block(codes, nbytes, r0, cnt, n, simd, tbb);
-                for (int i = 0; i < BLOCK; i++) {
-                    int v = PERM[i];
-                    float s = v < cnt ? scale[r0 + v] : 0.f;
-                    sp[nblk][i] = s;
-                    bp[nblk][i] = v >= cnt ? -INFINITY  /* missing rows never win */
-                                  : sq_table ? -s * s * row_dot(codes + (r0 + v) * nbytes, sq_table, nbytes) : 0.f;
-                }
-                blk[nblk] = (block_t){tbb, sp[nblk], bp[nblk], r0};
-            }
-            for (int64_t q0 = c0; q0 < c1; q0 += QGROUP) {
-                int nqb = c1 - q0 < QGROUP ? (int)(c1 - q0) : QGROUP;
-                for (int j = 0; j < nqb; j++) {
-                    int64_t q = q0 + j;
-                    qg[j] = (query_t){qtab + q * tsize, qmul[q], qadd[q], qoffset ? qoffset[q] : 0.f, res + q - c0};
-                }
-                for (int b = 0; b < nblk; b++) scan(blk + b, qg, nqb, nbytes);
-            }
+        int64_t m = c0 + chunk < nq ? chunk : nq - c0;
+        for (int64_t i = 0; i < m; i++) {
+            qidx[i] = c0 + i;
+            floor_[i] = -INFINITY;
         }
-        for (int64_t q = c0; q < c1; q++) {
-            reservoir_t *r = res + q - c0;
+        if (sample) {  /* the sample's top sample_keep, in the same buffers */
+            for (int64_t i = 0; i < m; i++)
+                res[i] = (reservoir_t){rval + i * cap, rrow + i * cap, 0, sample_keep, -INFINITY, tmp, simd};
+            scan_blocks(&ctx, 0, stride, qidx, res, m);
+            for (int64_t i = 0; i < m; i++) floor_[i] = reservoir_floor(res + i);
+        }
+        for (int64_t i = 0; i < m; i++)
+            res[i] = (reservoir_t){rval + i * cap, rrow + i * cap, 0, depth, floor_[i], tmp, simd};
+        scan_blocks(&ctx, 0, 1, qidx, res, m);
+        int64_t nredo = 0;  /* queries whose estimate was too high */
+        for (int64_t i = 0; i < m; i++)
+            if (res[i].n < depth && floor_[i] > -INFINITY) {
+                ridx[nredo] = qidx[i];
+                redo[nredo++] = (reservoir_t){res[i].val, res[i].row, 0, depth, -INFINITY, tmp, simd};
+            }
+        if (nredo) {
+            scan_blocks(&ctx, 0, 1, ridx, redo, nredo);
+            for (int64_t i = 0, j = 0; i < m && j < nredo; i++)
+                if (qidx[i] == ridx[j]) res[i] = redo[j++];
+        }
+        for (int64_t i = 0; i < m; i++) {
+            reservoir_t *r = res + i;
             if (r->n > depth) reservoir_shrink(r);
-            int64_t m = r->n < depth ? r->n : depth;
-            memcpy(cval + q * depth, r->val, sizeof(float) * (size_t)m);
-            memcpy(crow + q * depth, r->row, sizeof(int64_t) * (size_t)m);
+            int64_t cnt = r->n < depth ? r->n : depth;
+            memcpy(cval + (c0 + i) * depth, r->val, sizeof(float) * (size_t)cnt);
+            memcpy(crow + (c0 + i) * depth, r->row, sizeof(int64_t) * (size_t)cnt);
         }
     }
-    free(tb), free(rval), free(rrow), free(res), free(tmp);
+    free(tb), free(rval), free(rrow), free(res), free(redo), free(qidx), free(ridx), free(tmp), free(floor_);
     return 0;
 }
 
-/* Scans code rows [0, n) for nq queries (see the file comment): approximate candidates
- * (tq_fastscan_candidates), re-scored exactly with the float tables ftab [nq, 2 nbytes, 16] and merged
- * into heap row rows[i] (i when rows is NULL) of heap_val / heap_ids [*, k], labelled labels[row]
- * (label_base + row when labels is NULL). Returns 0, or -1 when out of memory. */
+/* Scans code rows [0, n) for nq queries (see the file comment): the float tables ftab [nq, 2 nbytes, 16]
+ * are quantized (tq_quantize_tables), approximate candidates found (tq_fastscan_candidates), re-scored
+ * exactly with ftab and merged into heap row rows[i] (i when rows is NULL) of heap_val / heap_ids
+ * [*, k], labelled labels[row] (label_base + row when labels is NULL). Returns 0, or -1 when out of
+ * memory. */
 int tq_fastscan(const uint8_t *codes, int64_t n, int64_t nbytes, const float *scale, const float *sq_table,
-                const int64_t *labels, int64_t label_base, int64_t nq, const uint8_t *qtab, const float *qmul,
-                const float *qadd, const float *ftab, const float *qoffset, int64_t depth, const int64_t *rows,
-                int64_t k, float *heap_val, int64_t *heap_ids, int allow_simd) {
+                const int64_t *labels, int64_t label_base, int64_t nq, const float *ftab, const float *qoffset,
+                int64_t depth, const int64_t *rows, int64_t k, float *heap_val, int64_t *heap_ids, int allow_simd) {
     if (n <= 0 || nq <= 0) return 0;
     if (depth > n) depth = n;
-    float *cval = malloc(sizeof(float) * (size_t)(nq * depth));
+    float *cval = malloc(sizeof(float) * (size_t)(nq * depth)), *qmul = malloc(sizeof(float) * (size_t)nq),
+          *qadd = malloc(sizeof(float) * (size_t)nq);
     int64_t *crow = malloc(sizeof(int64_t) * (size_t)(nq * depth));
-    int status = cval && crow ? tq_fastscan_candidates(codes, n, nbytes, scale, sq_table, nq, qtab, qmul, qadd,
-                                                       qoffset, depth, cval, crow, allow_simd)
-                              : -1;
+    uint8_t *qtab = malloc((size_t)(nq * 2 * nbytes * 16));
+    int status = -1;
+    if (cval && qmul && qadd && crow && qtab) {
+        tq_quantize_tables(ftab, nq, 2 * nbytes, qtab, qmul, qadd);
+        status = tq_fastscan_candidates(codes, n, nbytes, scale, sq_table, nq, qtab, qmul, qadd, qoffset, depth,
+                                        cval, crow, allow_simd);
+    }
     for (int64_t q = 0; status == 0 && q < nq; q++) {
         const float *ft = ftab + q * 2 * nbytes * 16;
         float off = qoffset ? qoffset[q] : 0.f;
@@ -535,6 +610,6 @@ int tq_fastscan(const uint8_t *codes, int64_t n, int64_t nbytes, const float *sc
             if (e > ev[0]) heap_replace_top(ev, ei, k, e, labels ? labels[v] : label_base + v);
         }
     }
-    free(cval), free(crow);
+    free(cval), free(qmul), free(qadd), free(crow), free(qtab);
     return status;
 }
