@@ -355,9 +355,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "for methods too slow to search them within half of --time-budget)")
     p.add_argument("--threads", default="1,2", help="thread counts for QPS (default 1,2)")
     p.add_argument("--repeats", type=int, default=None, help="timed searches per thread count, best "
-                   "kept (default 3)")
-    p.add_argument("--time-budget", type=float, default=3.0,
-                   help="stop repeating a timed search after this many seconds (default 3)")
+                   "kept (default 5)")
+    p.add_argument("--time-budget", type=float, default=5.0,
+                   help="stop repeating a timed search after this many seconds (default 5)")
     p.add_argument("--train-rows", type=int, default=None,
                    help="faiss indexes train on at most this many random base rows (default: all; "
                         "faiss then samples 256 per centroid)")
@@ -378,7 +378,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.n_queries = args.n_queries or (200 if q else None)
     args.timing_queries = min(args.timing_queries or (200 if q else 1000), args.n_queries or 1000)
     args.threads = sorted({int(t) for t in args.threads.split(",")})
-    args.repeats = args.repeats or (1 if q else 3)
+    args.repeats = args.repeats or (1 if q else 5)
     if any(b not in (1, 2, 3, 4) for b in args.bits):
         p.error(f"--bits must be in 1..4, got {args.bits}")
     if args.k < 16 or args.k & (args.k - 1):
