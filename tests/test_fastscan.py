@@ -75,22 +75,22 @@ def test_simd_and_portable_loops_agree():
 
 @pytest.mark.parametrize("adversarial", [False, True])
 def test_sampled_threshold_keeps_the_exact_candidates(adversarial):
-    """depth 128 over 20,000 rows: the kernel first scores every 16th block to start at a high threshold.
-    When those sampled blocks hold the best rows, the estimate is too high and the query is rescanned;
-    either way the candidates are the depth best approximate scores."""
+    """depth 128 over 20,000 rows: the kernel first takes the best score of every 16th block to start at
+    a high threshold. When every sampled block holds one of the best rows, that estimate is too high
+    and the query is rescanned; either way the candidates are the depth best approximate scores."""
     n, depth, bits, dim = 20_000, 128, 4, 32
     enc, codes, scan, (qtab, mul, add), _ = setup(bits, dim, n, 5, False)
     scale = codes.norm.float()
     ref = fs.reference_scores(codes.qdata.numpy(), scale.numpy(), None, qtab.numpy(), mul.double().numpy(),
                               add.double().numpy())
     qdata = codes.qdata
-    if adversarial:  # move query 0's best rows into the sampled blocks 0, 16, 32, ...
-        best = np.argsort(-ref[0])[:2 * depth]
-        sampled = (np.arange(n) // 32) % 16 == 0
-        order = np.concatenate([best, np.setdiff1d(np.arange(n), best)])
-        slots = np.concatenate([np.flatnonzero(sampled), np.flatnonzero(~sampled)])
+    if adversarial:  # query 0's best rows, one at the head of each sampled block (0, 16, 32, ...)
+        heads = np.arange(0, n, 32 * 16)
+        best = np.argsort(-ref[0])[: len(heads)]
+        rest = np.setdiff1d(np.arange(n), best)
         perm = np.empty(n, np.int64)
-        perm[slots] = order
+        perm[heads] = best
+        perm[np.setdiff1d(np.arange(n), heads)] = rest
         qdata, scale, ref = qdata[perm], scale[perm], ref[:, perm]
     val, row = fs.kernel_candidates(qdata, scale, None, qtab, mul, add, depth)
     want = -np.sort(-ref, axis=1)[:, :depth]

@@ -61,6 +61,7 @@ typedef struct {
     float thr;
     int32_t *tmp;           /* scratch [2 keep] keys */
     int simd;               /* count with AVX2 */
+    int block_best;         /* take only the best score of each block (threshold sampling) */
 } reservoir_t;
 
 /* Order-preserving integer key of a float (non-NaN): a < b exactly when key(a) < key(b). */
@@ -150,6 +151,23 @@ static inline void reservoir_add(reservoir_t *r, float v, int64_t row) {
     if (++r->n == 2 * r->keep) reservoir_shrink(r);
 }
 
+/* Offers the scores sc [32] (PERM order) of a block whose lanes `mask` scored above r->thr: each of
+ * them, or with block_best only their best (one entry per block). */
+static inline void reservoir_offer(reservoir_t *r, const float *sc, unsigned mask, int64_t row0) {
+    if (r->block_best) {
+        int best = __builtin_ctz(mask);
+        for (unsigned m = mask & (mask - 1); m; m &= m - 1)
+            best = sc[__builtin_ctz(m)] > sc[best] ? __builtin_ctz(m) : best;
+        reservoir_add(r, sc[best], row0 + PERM[best]);
+        return;
+    }
+    while (mask) {
+        int i = __builtin_ctz(mask);
+        mask &= mask - 1;
+        if (sc[i] > r->thr) reservoir_add(r, sc[i], row0 + PERM[i]);
+    }
+}
+
 /* ----------------------------------------------------------------------------------------- sums */
 
 /* Integer table sums of the 32 rows of one transposed block, in PERM order.
@@ -184,9 +202,12 @@ static void scan_block_generic(const block_t *b, const query_t *qs, int nqb, int
     for (int j = 0; j < nqb; j++) {
         const query_t *q = qs + j;
         block_sums_generic(b->tb, q->lut, nbytes, s);
-        for (int i = 0; i < BLOCK; i++) sc[i] = b->scale[i] * (q->mul * (float)s[i] + q->add) + b->bias[i] + q->off;
-        for (int i = 0; i < BLOCK; i++)
-            if (sc[i] > q->res->thr) reservoir_add(q->res, sc[i], b->row0 + PERM[i]);
+        unsigned mask = 0;
+        for (int i = 0; i < BLOCK; i++) {
+            sc[i] = b->scale[i] * (q->mul * (float)s[i] + q->add) + b->bias[i] + q->off;
+            mask |= (unsigned)(sc[i] > q->res->thr) << i;
+        }
+        if (mask) reservoir_offer(q->res, sc, mask, b->row0);
     }
 }
 
@@ -243,11 +264,7 @@ AVX2 static inline __attribute__((always_inline)) void scan_block_avx2_n(const b
         if (mask) {
             float buf[BLOCK];
             for (int g = 0; g < 4; g++) _mm256_storeu_ps(buf + 8 * g, sc[g]);
-            while (mask) {
-                int i = __builtin_ctz(mask);
-                mask &= mask - 1;
-                if (buf[i] > q->res->thr) reservoir_add(q->res, buf[i], b->row0 + PERM[i]);
-            }
+            reservoir_offer(q->res, buf, mask, b->row0);
         }
     }
 }
@@ -492,8 +509,9 @@ static float reservoir_floor(reservoir_t *r) {
 
 /* Query tables of at most this many bytes are scanned together, so they stay in the L2 cache. */
 #define TABLE_CHUNK_BYTES (192 << 10)
-/* Threshold estimate: a sample of every `stride`-th block, stride = depth / SAMPLE_HITS, is expected to
- * hold about SAMPLE_HITS rows of the true top `depth` (used when stride >= MIN_SAMPLE_STRIDE). */
+/* Threshold estimate: the best score of every `stride`-th block, stride = depth / SAMPLE_HITS; about
+ * SAMPLE_HITS of these blocks hold a row of the true top `depth` (at most that many, however the rows
+ * cluster). Used when stride >= MIN_SAMPLE_STRIDE. */
 #define SAMPLE_HITS 8
 #define MIN_SAMPLE_STRIDE 8
 
@@ -502,10 +520,10 @@ static float reservoir_floor(reservoir_t *r) {
  * memory.
  *
  * For a deep top (depth >= SAMPLE_HITS * MIN_SAMPLE_STRIDE) each query first scores a sample of the
- * blocks and starts the full scan at a threshold t below which its sample has more rows of the true
- * top than it would hold with probability ~1e-5 (Poisson tail), so few rows enter the reservoir. A
- * query whose full scan finds fewer than `depth` rows above t is scanned again without it, so the
- * result never depends on the estimate.
+ * blocks and starts the full scan at a threshold t: the sample_keep-th best of the sampled blocks' best
+ * scores, which exceeds the true depth-th best score with probability ~1e-5 (Poisson tail, one hit
+ * per block at most), so few rows enter the reservoir. A query whose full scan finds fewer than
+ * `depth` rows above t is scanned again without it, so the result never depends on the estimate.
  *
  * codes [n, nbytes] uint8; scale [n] float; sq_table [2 nbytes, 16] float or NULL; qtab
  * [nq, 2 nbytes, 16] uint8 (entries <= 127) with qmul, qadd [nq]; qoffset [nq] or NULL.
@@ -545,18 +563,18 @@ int tq_fastscan_candidates(const uint8_t *codes, int64_t n, int64_t nbytes, cons
         }
         if (sample) {  /* the sample's top sample_keep, in the same buffers */
             for (int64_t i = 0; i < m; i++)
-                res[i] = (reservoir_t){rval + i * cap, rrow + i * cap, 0, sample_keep, -INFINITY, tmp, simd};
+                res[i] = (reservoir_t){rval + i * cap, rrow + i * cap, 0, sample_keep, -INFINITY, tmp, simd, 1};
             scan_blocks(&ctx, 0, stride, qidx, res, m);
             for (int64_t i = 0; i < m; i++) floor_[i] = reservoir_floor(res + i);
         }
         for (int64_t i = 0; i < m; i++)
-            res[i] = (reservoir_t){rval + i * cap, rrow + i * cap, 0, depth, floor_[i], tmp, simd};
+            res[i] = (reservoir_t){rval + i * cap, rrow + i * cap, 0, depth, floor_[i], tmp, simd, 0};
         scan_blocks(&ctx, 0, 1, qidx, res, m);
         int64_t nredo = 0;  /* queries whose estimate was too high */
         for (int64_t i = 0; i < m; i++)
             if (res[i].n < depth && floor_[i] > -INFINITY) {
                 ridx[nredo] = qidx[i];
-                redo[nredo++] = (reservoir_t){res[i].val, res[i].row, 0, depth, -INFINITY, tmp, simd};
+                redo[nredo++] = (reservoir_t){res[i].val, res[i].row, 0, depth, -INFINITY, tmp, simd, 0};
             }
         if (nredo) {
             scan_blocks(&ctx, 0, 1, ridx, redo, nredo);
