@@ -2,12 +2,12 @@
  *
  * A code row is `nbytes` packed bytes; each 4-bit nibble t (t = 2p: low nibble of byte p, t = 2p + 1:
  * high nibble) holds 4/b whole codes, so a query's partial inner product with the row is a sum of
- * 2 * nbytes table entries T[t][nibble_t]. The scan quantizes T to uint8 per query (done by the
- * caller: T ~= qmul * U + per-nibble offsets summing to qadd), looks up 32 rows at once with
- * `pshufb` on AVX2 for 3 queries per pass over a block (a portable loop gives the same integers
- * elsewhere), keeps the `depth` best
- * approximate scores per query, re-scores those candidates exactly with the float tables and merges
- * them into the caller's exact top-k min-heaps (faiss layout: root = smallest of the k kept).
+ * 2 * nbytes table entries T[t][nibble_t]. The scan quantizes T to uint8 per query
+ * (tq_quantize_tables: T ~= qmul * U + per-nibble offsets summing to qadd), looks up 32 rows at once
+ * with `pshufb` on AVX2 for 3 queries per pass over a block (a portable loop gives the same integers
+ * elsewhere), keeps the `depth` best approximate scores per query (a reservoir whose threshold starts
+ * from a sampled estimate), re-scores those candidates exactly with the float tables and merges them
+ * into the caller's exact top-k min-heaps (faiss layout: root = smallest of the k kept).
  *
  * score(row v) = scale[v] * <q, c_v> + bias_v + qoffset[q], with bias_v = -scale[v]^2 * ||c_v||^2
  * when `sq_table` is given ("l2" scoring) and 0 otherwise.
