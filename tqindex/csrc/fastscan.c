@@ -542,7 +542,8 @@ int tq_fastscan_candidates(const uint8_t *codes, int64_t n, int64_t nbytes, cons
     const int64_t sample_keep = (int64_t)ceil(hits + 4.0 * sqrt(hits) + 4.0);
     const int sample = stride >= MIN_SAMPLE_STRIDE && nblocks / stride * BLOCK >= 8 * sample_keep;
     int64_t chunk = TABLE_CHUNK_BYTES / tsize;
-    chunk = chunk < QGROUP ? QGROUP : chunk > nq ? nq : chunk;
+    chunk = chunk < QGROUP ? QGROUP : chunk;
+    chunk = (nq + (nq + chunk - 1) / chunk - 1) / ((nq + chunk - 1) / chunk);  /* equal chunks */
     uint8_t *tb = malloc((size_t)(GROUP * 2 * BLOCK * nbytes));
     float *rval = malloc(sizeof(float) * (size_t)(chunk * cap));
     int64_t *rrow = malloc(sizeof(int64_t) * (size_t)(chunk * cap));
