@@ -538,9 +538,12 @@ int tq_fastscan_candidates(const uint8_t *codes, int64_t n, int64_t nbytes, cons
     int simd = scan != scan_block_generic;
     const int64_t tsize = 2 * nbytes * 16, cap = 2 * depth, nblocks = (n + BLOCK - 1) / BLOCK;
     const int64_t stride = depth / SAMPLE_HITS;
-    const double hits = (double)depth / (double)stride;
-    const int64_t sample_keep = (int64_t)ceil(hits + 4.0 * sqrt(hits) + 4.0);
-    const int sample = stride >= MIN_SAMPLE_STRIDE && nblocks / stride * BLOCK >= 8 * sample_keep;
+    int64_t sample_keep = 0;  /* the rank taken among the sampled blocks' best scores */
+    if (stride >= MIN_SAMPLE_STRIDE) {
+        double hits = (double)depth / (double)stride;
+        sample_keep = (int64_t)ceil(hits + 4.0 * sqrt(hits) + 4.0);
+    }
+    const int sample = sample_keep > 0 && nblocks / stride > sample_keep;  /* more sampled blocks than that */
     int64_t chunk = TABLE_CHUNK_BYTES / tsize;
     chunk = chunk < QGROUP ? QGROUP : chunk;
     chunk = (nq + (nq + chunk - 1) / chunk - 1) / ((nq + chunk - 1) / chunk);  /* equal chunks */
