@@ -3,7 +3,7 @@
 Each constructor returns a :class:`Baseline`: ``build(x)`` (train + add), ``search(q, k) -> (D, I)``
 (faiss-style, float32 / int64 ``[nq, k]``, best first), ``bytes_per_vector`` (the codes plus the
 per-vector side data the index stores, read from the index after ``build``) and ``timed_search``
-(best-of-``repeats`` wall time of one batched search at a given thread count).
+(wall time of one batched search at a given thread count).
 
 All baselines score by inner product (``metric="ip"``) or squared L2 (``metric="l2"``); cosine data
 must be normalized by the caller and searched with ``"ip"``.
@@ -104,19 +104,6 @@ def set_threads(n: int) -> None:
         os.sched_setaffinity(0, _CPUS[: max(1, n)])
 
 
-def best_time(fn: Callable[[], Any], repeats: int, budget_s: float) -> float:
-    """Smallest wall-clock seconds of ``fn()`` over up to ``repeats`` calls within ``budget_s``."""
-    best, spent = float("inf"), 0.0
-    for _ in range(max(1, repeats)):
-        t0 = time.perf_counter()
-        fn()
-        dt = time.perf_counter() - t0
-        best, spent = min(best, dt), spent + dt
-        if spent >= budget_s:
-            break
-    return best
-
-
 class Baseline(ABC):
     """A baseline index: build (train + add), search, bytes per vector, timed search.
 
@@ -140,16 +127,14 @@ class Baseline(ABC):
     def bytes_per_vector(self) -> float:
         """Stored bytes per vector, codes plus per-vector side data (valid after build)."""
 
-    def timed_search(self, q: np.ndarray, k: int, threads: int, repeats: int,
-                     budget_s: float = float("inf")) -> float:
-        """Best wall-clock seconds of ``search(q, k)`` (one batched call) on ``threads`` threads.
-
-        Runs at most ``repeats`` times and stops early once ``budget_s`` seconds have been spent
-        (always at least once), after a warm-up search of a few queries.
-        """
+    def timed_search(self, q: np.ndarray, k: int, threads: int) -> float:
+        """Wall-clock seconds of ``search(q, k)`` (one batched call) on ``threads`` threads, after a
+        warm-up search of a few queries."""
         set_threads(threads)
         self.search(q[: min(len(q), 16)], k)  # warm up (lazily built tables, allocator)
-        return best_time(lambda: self.search(q, k), repeats, budget_s)
+        t0 = time.perf_counter()
+        self.search(q, k)
+        return time.perf_counter() - t0
 
 
 class FaissBaseline(Baseline):
@@ -306,21 +291,14 @@ _TURBOVEC_TIMER = r"""
 import json, sys, time
 import numpy as np
 from turbovec import TurboQuantIndex
-path, qpath, k, repeats = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-budget = float(sys.argv[5])
+path, qpath, k = sys.argv[1], sys.argv[2], int(sys.argv[3])
 index = TurboQuantIndex.load(path)
 q = np.load(qpath)
 index.prepare()
 index.search(q[:16], k)
-best, spent = float("inf"), 0.0
-for _ in range(max(1, repeats)):
-    t0 = time.perf_counter()
-    index.search(q, k)
-    dt = time.perf_counter() - t0
-    best, spent = min(best, dt), spent + dt
-    if spent >= budget:
-        break
-print(json.dumps({"seconds": best}))
+t0 = time.perf_counter()
+index.search(q, k)
+print(json.dumps({"seconds": time.perf_counter() - t0}))
 """
 
 
@@ -376,8 +354,7 @@ class TurbovecBaseline(Baseline):
         D, I = self.index.search(_pad(q, self.pad_to), k)
         return np.asarray(D, np.float32), np.asarray(I, np.int64)
 
-    def timed_search(self, q: np.ndarray, k: int, threads: int, repeats: int,
-                     budget_s: float = float("inf")) -> float:
+    def timed_search(self, q: np.ndarray, k: int, threads: int) -> float:
         """As :meth:`Baseline.timed_search`, in a child process whose rayon pool has ``threads``
         threads (the index travels as a turbovec file)."""
         set_threads(threads)
@@ -387,8 +364,7 @@ class TurbovecBaseline(Baseline):
             np.save(qpath, _pad(q, self.pad_to))
             env = dict(os.environ, RAYON_NUM_THREADS=str(threads))
             out = subprocess.run([sys.executable, "-c", _TURBOVEC_TIMER, str(path), str(qpath),
-                                  str(k), str(repeats), str(budget_s)], env=env, check=True, capture_output=True,
-                                 text=True)
+                                  str(k)], env=env, check=True, capture_output=True, text=True)
         return float(json.loads(out.stdout.strip().splitlines()[-1])["seconds"])
 
 

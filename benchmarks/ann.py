@@ -184,7 +184,7 @@ def time_rounds(built: list[tuple[B.Baseline, dict[str, Any]]], queries: np.ndar
             timing = queries[: row["timing_queries"]]
             try:
                 for t in args.threads:
-                    seconds = method.timed_search(timing, args.k, t, 1)
+                    seconds = method.timed_search(timing, args.k, t)
                     row[f"qps_{t}t"] = max(row.get(f"qps_{t}t", 0.0), round(len(timing) / seconds, 1))
             except Exception as e:  # one broken baseline must not lose the others
                 tqdm.write(f"{method.name}: {type(e).__name__}: {e}")

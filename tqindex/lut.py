@@ -72,7 +72,7 @@ class LookupTables:
             w = q[:, start : start + n] if q is not None else torch.ones(1, n, device=levels.device)
             w = F.pad(w, (0, 2 * nbytes * per_nibble - n)).reshape(len(w), -1, per_nibble)
             parts.append(w @ lv.T)  # [m, 2 nbytes, 16]
-        t = torch.cat(parts, 1)
+        t = parts[0] if len(parts) == 1 else torch.cat(parts, 1)
         return t if q is not None else t[0]
 
     def tables(self, qr: Tensor, sqnorm: bool = False) -> Tensor:

@@ -35,8 +35,8 @@ Run = tuple[int, Tensor, Tensor]
 
 
 def _quantize_rotated(y: Tensor, centroids: Tensor, boundaries: Tensor) -> tuple[Tensor, Tensor]:
-    """Nearest codebook level of each coordinate: y [N, d] -> (idx [N, d] integer, levels float [N, d])."""
-    idx, _, _ = direction_search(y, [(y.shape[-1], centroids, boundaries)], search_alphas(1, y.device))
+    """Nearest codebook level of each coordinate: y [N, d] -> (idx [N, d] int32, levels float [N, d])."""
+    idx = torch.bucketize(y, boundaries, out_int32=True)
     return idx, lookup(centroids, idx)
 
 
