@@ -6,6 +6,7 @@ import tqindex as tq
 import tqindex.fastscan as fs
 from tqindex import native
 from tqindex.lut import LookupTables
+from tqindex.packing import pack, unpack
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="compiled kernels not built")
 
@@ -39,24 +40,31 @@ def test_compiled_table_quantization_equals_the_reference(shape):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("bits,dim", [(4, 50), (2, 33), (1, 70), (4, 600)])  # 600: > 256 byte positions
+def nibble_rows(codes: tq.Codes, bits: int, dim: int) -> np.ndarray:
+    """qdata as the kernel reads it: 3-bit codes one per nibble, other widths as they are."""
+    return (pack(unpack(codes.qdata, 3, dim), 4) if bits == 3 else codes.qdata).numpy()
+
+
+# 600: > 256 byte positions; 3-bit rows of 19 bytes (50), 2 (5: the last nibble past the row) and 225 (600)
+@pytest.mark.parametrize("bits,dim", [(4, 50), (2, 33), (1, 70), (4, 600), (3, 50), (3, 5), (3, 600)])
 @pytest.mark.parametrize("l2", [False, True])
 @pytest.mark.parametrize("simd", [True, False])
 def test_candidates_equal_the_numpy_reference(bits, dim, l2, simd):
     n = 300  # not a multiple of the 32-row blocks
     enc, codes, scan, (qtab, mul, add), sq = setup(bits, dim, n, 6, l2)
     scale = codes.norm.float()
-    val, row = fs.kernel_candidates(codes.qdata, scale, sq, qtab, mul, add, n, allow_simd=simd)
+    val, row = fs.kernel_candidates(codes.qdata, scale, sq, qtab, mul, add, n, allow_simd=simd, code_bits=3 if bits == 3 else 4)
     assert sorted(row[0].tolist()) == list(range(n))  # depth = n: every row, best first
     assert (val[:, 1:] <= val[:, :-1]).all()
-    ref = fs.reference_scores(codes.qdata.numpy(), scale.numpy(), None if sq is None else sq.numpy(),
+    ref = fs.reference_scores(nibble_rows(codes, bits, dim), scale.numpy(), None if sq is None else sq.numpy(),
                               qtab.numpy(), mul.double().numpy(), add.double().numpy())
     got = np.take_along_axis(ref, row.numpy(), 1)
     # one unit of the integer sum moves a score by mul * scale: the tolerance is a fraction of that
     tol = 0.25 * mul.numpy()[:, None] * scale.numpy()[row.numpy()] + 1e-5 * np.abs(ref).max()
     assert (np.abs(val.numpy() - got) <= tol).all()
     # a smaller depth keeps the best approximate scores
-    val20, row20 = fs.kernel_candidates(codes.qdata, scale, sq, qtab, mul, add, 20, allow_simd=simd)
+    val20, row20 = fs.kernel_candidates(codes.qdata, scale, sq, qtab, mul, add, 20, allow_simd=simd,
+                                        code_bits=3 if bits == 3 else 4)
     torch.testing.assert_close(val20, val[:, :20])
 
 
@@ -102,11 +110,13 @@ def test_sampled_threshold_keeps_the_exact_candidates(adversarial):
 
 @pytest.mark.parametrize("nq", [1, 3, 37])
 @pytest.mark.parametrize("metric", ["ip", "cosine", "l2"])
-def test_compiled_search_equals_pytorch_search(monkeypatch, nq, metric):
+@pytest.mark.parametrize("name", ["tq4", "tq3"])
+def test_compiled_search_equals_pytorch_search(monkeypatch, nq, metric, name):
     monkeypatch.setattr(fs, "MIN_THREAD_SCORES", 64)  # split rows (few queries) or queries over threads
     g = torch.Generator().manual_seed(nq)
     x, q = torch.randn(5000, 48, generator=g), torch.randn(nq, 48, generator=g)
-    index = tq.index_factory(48, "tq4", metric=metric)
+    index = tq.index_factory(48, name, metric=metric)
+    assert index._fast is not None
     index.add(x)
     D, I = index.search(q, 64)
     index.compiled_scan = False

@@ -47,7 +47,7 @@ def test_all_lists_without_residual_equals_flat(metric, nq):
 
 
 @pytest.mark.parametrize("metric", METRICS)
-@pytest.mark.parametrize("name, nq", [("tq4", 9), ("tq4", 40), ("tq3-prod", 9), ("fp4", 9)])
+@pytest.mark.parametrize("name, nq", [("tq4", 9), ("tq4", 40), ("tq3", 40), ("tq3-prod", 9), ("fp4", 9)])
 @pytest.mark.parametrize("compiled", [True, False])
 def test_residual_search_equals_brute_force_over_reconstructions(metric, name, nq, compiled):
     x, q = data(1200, 50, 2), data(nq, 50, 3)

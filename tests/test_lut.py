@@ -24,8 +24,9 @@ def test_lut_supported_encoders():
     assert lut_supported(tq.make_encoder("tq4", 50)) and lut_supported(tq.make_encoder("tq1-norm", 50))
     for name in ("tq3", "tq8", "tq4-prod", "fp4"):
         assert not lut_supported(tq.make_encoder(name, 64))
+        assert lut_supported(tq.make_encoder(name, 64), nibbles=True) == (name == "tq3")  # the compiled scan's
     enc = tq.make_encoder("tq3", 64)
-    with pytest.raises(ValueError, match="bits"):
+    with pytest.raises(ValueError, match="byte tables need"):
         lut_scores(enc, torch.zeros(1, 64), enc.encode(torch.randn(2, 64)))
     enc4 = tq.make_encoder("tq4", 64)
     with pytest.raises(ValueError, match="code bytes"):

@@ -1,7 +1,8 @@
-"""Compiled nibble lookup-table scan of 1/2/4-bit codes (TurboQuantMSE, TurboQuantPCA; ``csrc/fastscan.c``).
+"""Compiled nibble lookup-table scan of 1/2/3/4-bit codes (TurboQuantMSE, TurboQuantPCA; ``csrc/fastscan.c``).
 
 Each 4-bit nibble of a packed code row holds whole codes, so a query's score is ``s · Σ_t T[t][nibble_t]``
-over the row's 2·P nibbles (:meth:`LookupTables.nibble_tables`). The kernel turns the float tables into
+over the row's 2·P nibbles (:meth:`LookupTables.nibble_tables`); rows of 3-bit codes are read as one
+code per nibble (expanded in the kernel, the index keeps 3 bits per code). The kernel turns the float tables into
 uint8 tables plus a per-query affine map (:func:`quantize_tables` is the reference of that rule), sums
 32 rows at a time with byte shuffles (AVX2; a portable C loop elsewhere gives the same integers), keeps
 ``depth`` approximate candidates per query, re-scores them exactly with the float tables and merges
@@ -88,17 +89,20 @@ def reference_scores(qdata: np.ndarray, scale: np.ndarray, sq_table: np.ndarray 
 
 
 def kernel_candidates(qdata: Tensor, scale: Tensor, sq_table: Tensor | None, qtab: Tensor, mul: Tensor, add: Tensor,
-                      depth: int, allow_simd: bool = True) -> tuple[Tensor, Tensor]:
+                      depth: int, allow_simd: bool = True, code_bits: int = 4) -> tuple[Tensor, Tensor]:
     """The kernel's approximate stage alone: the ``depth`` best approximate scores of qdata uint8 [n, P]
-    (scale float32 [n]) per query, for quantized tables (qtab uint8 [m, 2P, 16], mul and add float32 [m],
-    from :func:`quantize_tables`) -> (scores float32 [m, depth], rows int64 [m, depth]), best first."""
+    (or [n, ceil(3d/8)] 3-bit codes with ``code_bits=3``; scale float32 [n]) per query, for quantized
+    tables (qtab uint8 [m, 2P, 16], mul and add float32 [m], from :func:`quantize_tables`) ->
+    (scores float32 [m, depth], rows int64 [m, depth]), best first."""
     lib = native.require()
+    if code_bits not in (3, 4):
+        raise ValueError(f"code_bits must be 3 (3-bit codes) or 4 (nibble-packed codes), got {code_bits!r}")
     qdata, scale, qtab = qdata.contiguous(), scale.float().contiguous(), qtab.contiguous()
     mul, add = mul.float().contiguous(), add.float().contiguous()
     m = qtab.shape[0]
     val, row = torch.empty(m, depth), torch.empty(m, depth, dtype=torch.int64)
     status = lib.tq_fastscan_candidates(
-        qdata.data_ptr(), qdata.shape[0], qdata.shape[1], scale.data_ptr(),
+        qdata.data_ptr(), qdata.shape[0], qdata.shape[1], qtab.shape[1] // 2, code_bits, scale.data_ptr(),
         _ptr(None if sq_table is None else sq_table.contiguous()), m, qtab.data_ptr(), mul.data_ptr(),
         add.data_ptr(), None, depth, val.data_ptr(), row.data_ptr(), int(allow_simd))
     if status != 0:
@@ -113,7 +117,7 @@ def candidate_depth(k: int) -> int:
 
 
 class FastScan:
-    """Scores 1/2/4-bit codes with the compiled kernel into a running top-k."""
+    """Scores 1/2/3/4-bit codes with the compiled kernel into a running top-k."""
 
     def __init__(self, lut: LookupTables) -> None:
         native.require()
@@ -147,7 +151,8 @@ class FastScan:
             rows q0.. when None)."""
             hv, hi = (val, ids) if heap_rows is not None else (val[q0:], ids[q0:])
             return lib.tq_fastscan(
-                qdata[r0:].data_ptr(), r1 - r0, qdata.shape[1], scale[r0:].data_ptr(), _ptr(sq),
+                qdata[r0:].data_ptr(), r1 - r0, qdata.shape[1], self.lut.nbytes, self.lut.code_bits,
+                scale[r0:].data_ptr(), _ptr(sq),
                 None if labels is None else labels[r0:].data_ptr(), base + r0, q1 - q0, tables[q0:].data_ptr(),
                 None if offset is None else offset[q0:].data_ptr(), depth,
                 None if heap_rows is None else heap_rows[q0:].data_ptr(), k, hv.data_ptr(), hi.data_ptr(), 1)

@@ -2,7 +2,7 @@
 running top-k, re-ranking and file state.
 
 The database is held only as codes (plus int64 ids). Queries are rotated once; then either the
-compiled nibble lookup-table scan (``fastscan.py``: 1/2/4-bit TurboQuantMSE and TurboQuantPCA codes,
+compiled nibble lookup-table scan (``fastscan.py``: 1/2/3/4-bit TurboQuantMSE and TurboQuantPCA codes,
 any number of queries) or a PyTorch scan runs: blocks of codes are decoded in the rotated domain and
 multiplied with all queries (one float32 GEMM), or, for a few queries, scored by byte lookup tables
 (``lut.py``). A running top-k is merged per block, so no [nq, ntotal] score matrix is ever built.
@@ -278,7 +278,7 @@ class BaseIndex(ABC):
         self.vectors_dtype = vectors_dtype
         self.rerank_factor = rerank_factor
         self._lists = [CodeList() for _ in range(nlists)]
-        # Score 1/2/4-bit codes with the compiled kernel where it is built (False: the PyTorch scans).
+        # Score 1/2/3/4-bit codes with the compiled kernel where it is built (False: the PyTorch scans).
         self.compiled_scan = fastscan_available()
         self._scan_tools()
         self._id_cache: tuple = (None,)
@@ -286,8 +286,9 @@ class BaseIndex(ABC):
 
     def _scan_tools(self) -> None:
         """Lookup tables and the compiled scan for the encoder, where they serve it (once it is trained)."""
-        self._lut = LookupTables(self.encoder) if lut_supported(self.encoder) else None
-        self._fast = FastScan(self._lut) if self._lut is not None and fastscan_available() else None
+        lut = LookupTables(self.encoder) if lut_supported(self.encoder, nibbles=True) else None
+        self._lut = lut if lut_supported(self.encoder) else None  # byte tables (not for 3-bit codes)
+        self._fast = FastScan(lut) if lut is not None and fastscan_available() else None
 
     def _check_trained(self) -> None:
         if not self.encoder.is_trained:

@@ -8,7 +8,9 @@ value v, and ``<R q, R x̂> = s · Σ_p T[p][qdata[p]]``: one table lookup per b
 of every coordinate. The lookups run as one ``embedding_bag`` (sum) over int32 indices.
 
 A byte's table is the sum of the tables of its two 4-bit nibbles (:meth:`LookupTables.nibble_tables`),
-which the compiled scan (``fastscan.py``) uses directly.
+which the compiled scan (``fastscan.py``) uses directly. It also reads 3-bit codes (8 codes in 3 bytes,
+so no byte holds whole codes) by expanding them to one code per nibble: their nibble tables have 8 of
+16 entries in use, and they have no byte tables.
 """
 
 from __future__ import annotations
@@ -22,14 +24,18 @@ from .encoder import Encoder
 from .packing import packed_size, unpack
 
 LUT_BITS = (1, 2, 4)
+STREAM_BITS = 3
+"""Codes of this width have nibble tables only (when they are the encoder's one run)."""
 
 
-def lut_supported(encoder: Encoder) -> bool:
-    """True when :class:`LookupTables` can score ``encoder``'s codes: a trained encoder with code runs
-    (``segments()``: TurboQuantMSE, TurboQuantPCA) of 1, 2 or 4 bits (or 0, stored as nothing)."""
+def lut_supported(encoder: Encoder, nibbles: bool = False) -> bool:
+    """True when :class:`LookupTables` can score ``encoder``'s codes by byte tables: a trained encoder
+    with code runs (``segments()``: TurboQuantMSE, TurboQuantPCA) of 1, 2 or 4 bits (or 0, stored as
+    nothing). With ``nibbles``: by nibble tables, which also serve one run of 3-bit codes."""
     if not hasattr(encoder, "segments") or not encoder.is_trained:
         return False
-    return all(w in LUT_BITS or w == 0 for _, w, _ in encoder.segments())
+    widths = [w for _, w, _ in encoder.segments()]
+    return all(w in LUT_BITS or w == 0 for w in widths) or (nibbles and widths == [STREAM_BITS])
 
 
 def lut_scores(encoder: Encoder, qr: Tensor, codes: Codes) -> Tensor:
@@ -46,20 +52,26 @@ class LookupTables:
     """Builds per-query byte tables for one encoder and scores codes with them."""
 
     def __init__(self, encoder: Encoder, device: torch.device | str = "cpu") -> None:
-        if not lut_supported(encoder):
-            raise ValueError(f"lookup tables need codes of {LUT_BITS} bits per coordinate (TurboQuantMSE, "
-                             f"TurboQuantPCA), got {encoder!r}")
+        if not lut_supported(encoder, nibbles=True):
+            raise ValueError(f"lookup tables need codes of {LUT_BITS} bits per coordinate, or {STREAM_BITS} in "
+                             f"one run (TurboQuantMSE, TurboQuantPCA), got {encoder!r}")
         self.dim = encoder.dim
-        self.runs = []  # (first coordinate, coordinates, codes per nibble, packed bytes, levels [16, per nibble])
+        self.runs = []  # (first coordinate, coordinates, codes per nibble, nibble bytes, levels [16, per nibble])
+        self.row_bytes = 0  # packed bytes per vector
+        self.code_bits = 4  # 4: every nibble holds whole codes; 3: a stream of 3-bit codes, one per nibble read
         start = 0
         for n, w, centroids in encoder.segments():
             if w:
-                nibbles = unpack(torch.arange(16, dtype=torch.uint8, device=device)[:, None], w, 4 // w)
-                self.runs.append((start, n, 4 // w, packed_size(n, w), centroids.to(device)[nibbles.int()]))
+                per_nibble = max(1, 4 // w)
+                nibbles = unpack(torch.arange(16, dtype=torch.uint8, device=device)[:, None], w, per_nibble)
+                nbytes = -(-n // (2 * per_nibble))
+                self.runs.append((start, n, per_nibble, nbytes, centroids.to(device)[nibbles.int()]))
+                self.row_bytes += packed_size(n, w)
+                self.code_bits = w if w == STREAM_BITS else 4
             start += n
-        self.nbytes = sum(r[3] for r in self.runs)  # P: packed bytes per vector
+        self.nbytes = sum(r[3] for r in self.runs)  # P: nibble-packed bytes per vector (= row_bytes but for 3 bits)
         self.offsets = torch.arange(0, 256 * self.nbytes, 256, dtype=torch.int32, device=device)  # [P]
-        self.sq_tables = self._bytes(self.nibble_tables(None)[None])  # [P, 256, 1]: sums of c²
+        self.sq_tables = self._bytes(self.nibble_tables(None)[None])  # [P, 256, 1]: sums of c² (1/2/4 bits)
 
     def nibble_tables(self, q: Tensor | None) -> Tensor:
         """Nibble tables of rotated queries q [m, dim] -> [m, 2P, 16]: entry ``[i, t, v]`` is the partial
@@ -80,8 +92,10 @@ class LookupTables:
         value v's partial inner product at byte position p.
 
         With ``sqnorm`` a last column (-> [P·256, m + 1]) holds the partial sums of ``c²`` (for
-        ``||x̂||²``).
+        ``||x̂||²``). ValueError for 3-bit codes (no byte holds whole codes).
         """
+        if self.code_bits == STREAM_BITS:
+            raise ValueError("byte tables need 1, 2 or 4-bit codes: a byte of 3-bit codes holds parts of codes")
         t = self._bytes(self.nibble_tables(qr.float()))  # [P, 256, m]
         if sqnorm:
             t = torch.cat((t, self.sq_tables), -1)

@@ -1,8 +1,9 @@
-/* Nibble lookup-table scan ("fast scan") over packed 1/2/4-bit TurboQuant Q_mse codes.
+/* Nibble lookup-table scan ("fast scan") over packed 1/2/3/4-bit TurboQuant Q_mse codes.
  *
  * A code row is `nbytes` packed bytes; each 4-bit nibble t (t = 2p: low nibble of byte p, t = 2p + 1:
  * high nibble) holds 4/b whole codes, so a query's partial inner product with the row is a sum of
- * 2 * nbytes table entries T[t][nibble_t]. The scan quantizes T to uint8 per query
+ * 2 * nbytes table entries T[t][nibble_t]. Rows of 3-bit codes (a bit stream, 8 codes in 3 bytes) are
+ * expanded to one code per nibble as they are read (expand3), so they are scanned the same way. The scan quantizes T to uint8 per query
  * (tq_quantize_tables: T ~= qmul * U + per-nibble offsets summing to qadd), looks up 32 rows at once
  * with `pshufb` on AVX2 for 3 queries per pass over a block (a portable loop gives the same integers
  * elsewhere), keeps the `depth` best approximate scores per query (a reservoir whose threshold starts
@@ -365,34 +366,39 @@ static inline void transpose8(uint64_t *x) {
         (b) = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi64(a_, shift), mask), _mm256_andnot_si256(mask, b_)); \
     } while (0)
 
-/* transpose_block for 32 rows that may be read 8 bytes past their end: the 8 x 8 tiles of the four
- * row groups sit in the four 64-bit lanes, so a transposed register is one position's 32 bytes, split
- * into its nibbles before it is stored. */
-AVX2 static void transpose_block_avx2(const uint8_t *codes, int64_t nbytes, int64_t r0, uint8_t *tb) {
+/* Bytes [p, p + 8) of the 32 rows at src (row stride `stride`, readable 8 bytes from each row's p) as
+ * x[j] = byte p + j of rows 0..31: the 8 x 8 tiles of the four row groups sit in the four 64-bit lanes. */
+AVX2 static inline void load_tile_avx2(const uint8_t *src, int64_t stride, __m256i *x) {
     const __m256i m1 = _mm256_set1_epi64x(0x00FF00FF00FF00FFll), m2 = _mm256_set1_epi64x(0x0000FFFF0000FFFFll),
-                  m4 = _mm256_set1_epi64x(0x00000000FFFFFFFFll), m4b = _mm256_set1_epi8(0x0f);
+                  m4 = _mm256_set1_epi64x(0x00000000FFFFFFFFll);
+    for (int i = 0; i < 8; i++) {
+        const uint8_t *r = src + i * stride;
+        long long a, b, c, d;
+        memcpy(&a, r, 8), memcpy(&b, r + 8 * stride, 8), memcpy(&c, r + 16 * stride, 8), memcpy(&d, r + 24 * stride, 8);
+        x[i] = _mm256_set_epi64x(d, c, b, a);
+    }
+    SWAP_UNITS256(x[0], x[1], m1, 8);
+    SWAP_UNITS256(x[2], x[3], m1, 8);
+    SWAP_UNITS256(x[4], x[5], m1, 8);
+    SWAP_UNITS256(x[6], x[7], m1, 8);
+    SWAP_UNITS256(x[0], x[2], m2, 16);
+    SWAP_UNITS256(x[1], x[3], m2, 16);
+    SWAP_UNITS256(x[4], x[6], m2, 16);
+    SWAP_UNITS256(x[5], x[7], m2, 16);
+    SWAP_UNITS256(x[0], x[4], m4, 32);
+    SWAP_UNITS256(x[1], x[5], m4, 32);
+    SWAP_UNITS256(x[2], x[6], m4, 32);
+    SWAP_UNITS256(x[3], x[7], m4, 32);
+}
+
+/* transpose_block for 32 rows that may be read 8 bytes past their end: each transposed register is one
+ * position's 32 bytes, split into its nibbles before it is stored. */
+AVX2 static void transpose_block_avx2(const uint8_t *codes, int64_t nbytes, int64_t r0, uint8_t *tb) {
+    const __m256i m4b = _mm256_set1_epi8(0x0f);
     for (int64_t p0 = 0; p0 < nbytes; p0 += 8) {
         int w = nbytes - p0 < 8 ? (int)(nbytes - p0) : 8;
         __m256i x[8];
-        for (int i = 0; i < 8; i++) {
-            const uint8_t *src = codes + (r0 + i) * nbytes + p0;
-            long long a, b, c, d;
-            memcpy(&a, src, 8), memcpy(&b, src + 8 * nbytes, 8), memcpy(&c, src + 16 * nbytes, 8);
-            memcpy(&d, src + 24 * nbytes, 8);
-            x[i] = _mm256_set_epi64x(d, c, b, a);
-        }
-        SWAP_UNITS256(x[0], x[1], m1, 8);
-        SWAP_UNITS256(x[2], x[3], m1, 8);
-        SWAP_UNITS256(x[4], x[5], m1, 8);
-        SWAP_UNITS256(x[6], x[7], m1, 8);
-        SWAP_UNITS256(x[0], x[2], m2, 16);
-        SWAP_UNITS256(x[1], x[3], m2, 16);
-        SWAP_UNITS256(x[4], x[6], m2, 16);
-        SWAP_UNITS256(x[5], x[7], m2, 16);
-        SWAP_UNITS256(x[0], x[4], m4, 32);
-        SWAP_UNITS256(x[1], x[5], m4, 32);
-        SWAP_UNITS256(x[2], x[6], m4, 32);
-        SWAP_UNITS256(x[3], x[7], m4, 32);
+        load_tile_avx2(codes + r0 * nbytes + p0, nbytes, x);
         for (int j = 0; j < w; j++) {
             uint8_t *dst = tb + 2 * (p0 + j) * BLOCK;
             _mm256_storeu_si256((__m256i *)dst, _mm256_and_si256(x[j], m4b));
@@ -400,20 +406,50 @@ AVX2 static void transpose_block_avx2(const uint8_t *codes, int64_t nbytes, int6
         }
     }
 }
+
+/* The same for 32 rows of 3-bit codes (row_bytes each, 8 codes in 3 bytes) into tb [nbytes][2][BLOCK],
+ * code j in nibble j: the rows' bytes are transposed into raw [row_bytes rounded up to 24][BLOCK], then
+ * each 3 bytes of 32 rows give 8 codes with byte-lane shifts (16-bit shifts, masked per byte). */
+AVX2 static void transpose3_block_avx2(const uint8_t *codes, int64_t row_bytes, int64_t nbytes, int64_t r0,
+                                       uint8_t *raw, uint8_t *tb) {
+    for (int64_t p0 = 0; p0 < row_bytes; p0 += 8) {
+        __m256i x[8];
+        load_tile_avx2(codes + r0 * row_bytes + p0, row_bytes, x);
+        for (int j = 0; j < 8; j++) _mm256_storeu_si256((__m256i *)(raw + (p0 + j) * BLOCK), x[j]);
+    }
+    const __m256i m1 = _mm256_set1_epi8(1), m3 = _mm256_set1_epi8(3),
+                  m4 = _mm256_set1_epi8(4), m6 = _mm256_set1_epi8(6), m7 = _mm256_set1_epi8(7);
+    for (int64_t g = 0; 4 * g < nbytes; g++) {
+        const uint8_t *r = raw + 3 * g * BLOCK;
+        __m256i b0 = _mm256_loadu_si256((const __m256i *)r), b1 = _mm256_loadu_si256((const __m256i *)(r + BLOCK)),
+                b2 = _mm256_loadu_si256((const __m256i *)(r + 2 * BLOCK));
+        __m256i c[8];
+        c[0] = _mm256_and_si256(b0, m7);
+        c[1] = _mm256_and_si256(_mm256_srli_epi16(b0, 3), m7);
+        c[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b0, 6), m3), _mm256_and_si256(_mm256_slli_epi16(b1, 2), m4));
+        c[3] = _mm256_and_si256(_mm256_srli_epi16(b1, 1), m7);
+        c[4] = _mm256_and_si256(_mm256_srli_epi16(b1, 4), m7);
+        c[5] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b1, 7), m1), _mm256_and_si256(_mm256_slli_epi16(b2, 1), m6));
+        c[6] = _mm256_and_si256(_mm256_srli_epi16(b2, 2), m7);
+        c[7] = _mm256_and_si256(_mm256_srli_epi16(b2, 5), m7);
+        for (int i = 0; i < 8 && 8 * g + i < 2 * nbytes; i++)
+            _mm256_storeu_si256((__m256i *)(tb + (8 * g + i) * BLOCK), c[i]);
+    }
+}
 #endif
 
-/* Transposes rows [r0, r0 + cnt) (cnt <= BLOCK) of codes [*, n_all rows, nbytes] into tb
- * [nbytes][2][BLOCK], the low and high nibbles of each position apart (missing rows are zero), 8 x 8
- * byte tiles at a time. */
-static void transpose_block(const uint8_t *codes, int64_t nbytes, int64_t r0, int cnt, int64_t n_all, int simd,
+/* Transposes rows [r0, r0 + cnt) (cnt <= BLOCK) of codes [*, nbytes] (`avail` bytes readable from
+ * `codes`) into tb [nbytes][2][BLOCK], the low and high nibbles of each position apart (missing rows
+ * are zero), 8 x 8 byte tiles at a time. */
+static void transpose_block(const uint8_t *codes, int64_t nbytes, int64_t r0, int cnt, int64_t avail, int simd,
                             uint8_t *tb) {
 #ifdef TQ_X86
-    if (simd && cnt == BLOCK && (r0 + BLOCK) * nbytes + 8 <= n_all * nbytes) {
+    if (simd && cnt == BLOCK && (r0 + BLOCK) * nbytes + 8 <= avail) {
         transpose_block_avx2(codes, nbytes, r0, tb);
         return;
     }
 #endif
-    (void)simd, (void)n_all;
+    (void)simd, (void)avail;
     for (int g = 0; g < BLOCK; g += 8) {
         for (int64_t p0 = 0; p0 < nbytes; p0 += 8) {
             int w = nbytes - p0 < 8 ? (int)(nbytes - p0) : 8, rows = cnt - g < 8 ? cnt - g : 8;
@@ -448,10 +484,61 @@ static float row_dot(const uint8_t *row, const float *table, int64_t nbytes) {
     return (s[0] + s[1]) + (s[2] + s[3]);
 }
 
-/* What one scan of code rows shares: the rows, the query tables and a transposition buffer. */
+/* Code rows: `row_bytes` bytes each, read as `nbytes` nibble-packed bytes (bits 4: as they are; bits 3:
+ * a stream of 3-bit codes, expanded to one code per nibble). */
 typedef struct {
-    const uint8_t *codes;   /* [n, nbytes] */
-    int64_t n, nbytes;
+    const uint8_t *codes;   /* [n, row_bytes] */
+    int64_t n, row_bytes, nbytes;
+    int bits;
+} rows_t;
+
+/* The 3-bit codes of a stream row (8 codes in 3 bytes, least significant bits first) as out [nbytes]:
+ * code j in nibble j (codes past the row's end read as 0). */
+static void expand3(const uint8_t *row, int64_t row_bytes, int64_t nbytes, uint8_t *out) {
+    for (int64_t g = 0; 4 * g < nbytes; g++) {
+        uint32_t w = 0, b;
+        if (3 * g + 4 <= row_bytes) memcpy(&w, row + 3 * g, 4), w &= 0xffffff;
+        else
+            for (int i = 0; i < 3 && 3 * g + i < row_bytes; i++) w |= (uint32_t)row[3 * g + i] << (8 * i);
+        b = (w & 0x3f) | ((w & 0xfc0) << 2) | ((w & 0x3f000) << 4) | ((w & 0xfc0000) << 6);  /* 2 codes a byte */
+        b = (b & 0x07070707u) | ((b & 0x38383838u) << 1);                                  /* one a nibble */
+        if (4 * g + 4 <= nbytes) memcpy(out + 4 * g, &b, 4);
+        else
+            for (int i = 0; 4 * g + i < nbytes; i++) out[4 * g + i] = (uint8_t)(b >> (8 * i));
+    }
+}
+
+/* Row v as nbytes nibble-packed bytes: in place, or expanded into buf [nbytes] (3-bit codes). */
+static inline const uint8_t *nibble_row(const rows_t *c, int64_t v, uint8_t *buf) {
+    const uint8_t *row = c->codes + v * c->row_bytes;
+    if (c->bits == 4) return row;
+    expand3(row, c->row_bytes, c->nbytes, buf);
+    return buf;
+}
+
+/* Bytes of scratch load_block needs. */
+static int64_t block_scratch(int64_t nbytes) { return BLOCK * (nbytes + 8) + 8; }
+
+/* Transposes rows [r0, r0 + cnt) into tb [nbytes][2][BLOCK] (see transpose_block); 3-bit rows go
+ * through xb [block_scratch(nbytes)]. */
+static void load_block(const rows_t *c, int64_t r0, int cnt, int simd, uint8_t *xb, uint8_t *tb) {
+    if (c->bits == 4) {
+        transpose_block(c->codes, c->nbytes, r0, cnt, c->n * c->nbytes, simd, tb);
+        return;
+    }
+#ifdef TQ_X86
+    if (simd && cnt == BLOCK && (r0 + BLOCK) * c->row_bytes + 8 <= c->n * c->row_bytes) {
+        transpose3_block_avx2(c->codes, c->row_bytes, c->nbytes, r0, xb, tb);
+        return;
+    }
+#endif
+    for (int i = 0; i < cnt; i++) nibble_row(c, r0 + i, xb + i * c->nbytes);
+    transpose_block(xb, c->nbytes, 0, cnt, 0, 0, tb);
+}
+
+/* What one scan of code rows shares: the rows, the query tables and transposition buffers. */
+typedef struct {
+    rows_t rows;
     const float *scale;     /* [n] */
     const float *sq_table;  /* [2 nbytes, 16] or NULL */
     const uint8_t *qtab;    /* [nq, 2 nbytes, 16] */
@@ -459,13 +546,15 @@ typedef struct {
     scan_fn scan;
     int simd;
     uint8_t *tb;            /* [GROUP][nbytes][2][BLOCK] */
+    uint8_t *xb;            /* [block_scratch(nbytes)] for 3-bit rows */
+    uint8_t *row;           /* [nbytes] one expanded 3-bit row */
 } scan_t;
 
 /* Scores the blocks first, first + stride, ... of 32 rows for queries qidx[0, m) into res[0, m), GROUP
  * blocks at a time (transposed once, then scanned by every query while they are in the L1 cache). */
 static void scan_blocks(const scan_t *c, int64_t first, int64_t stride, const int64_t *qidx, reservoir_t *res,
                         int64_t m) {
-    const int64_t nblocks = (c->n + BLOCK - 1) / BLOCK, tsize = 2 * c->nbytes * 16;
+    const int64_t n = c->rows.n, nbytes = c->rows.nbytes, nblocks = (n + BLOCK - 1) / BLOCK, tsize = 2 * nbytes * 16;
     float sp[GROUP][BLOCK], bp[GROUP][BLOCK];
     block_t blk[GROUP];
     query_t qg[QGROUP];
@@ -473,15 +562,15 @@ static void scan_blocks(const scan_t *c, int64_t first, int64_t stride, const in
         int nblk = 0;
         for (; nblk < GROUP && b0 + nblk * stride < nblocks; nblk++) {
             int64_t r0 = (b0 + nblk * stride) * BLOCK;
-            int cnt = c->n - r0 < BLOCK ? (int)(c->n - r0) : BLOCK;
-            uint8_t *tbb = c->tb + nblk * 2 * BLOCK * c->nbytes;
-            transpose_block(c->codes, c->nbytes, r0, cnt, c->n, c->simd, tbb);
+            int cnt = n - r0 < BLOCK ? (int)(n - r0) : BLOCK;
+            uint8_t *tbb = c->tb + nblk * 2 * BLOCK * nbytes;
+            load_block(&c->rows, r0, cnt, c->simd, c->xb, tbb);
             for (int i = 0; i < BLOCK; i++) {
                 int v = PERM[i];
                 float s = v < cnt ? c->scale[r0 + v] : 0.f;
                 sp[nblk][i] = s;
                 bp[nblk][i] = v >= cnt      ? -INFINITY  /* missing rows never win */
-                              : c->sq_table ? -s * s * row_dot(c->codes + (r0 + v) * c->nbytes, c->sq_table, c->nbytes)
+                              : c->sq_table ? -s * s * row_dot(nibble_row(&c->rows, r0 + v, c->row), c->sq_table, nbytes)
                                             : 0.f;
             }
             blk[nblk] = (block_t){tbb, sp[nblk], bp[nblk], r0};
@@ -493,7 +582,7 @@ static void scan_blocks(const scan_t *c, int64_t first, int64_t stride, const in
                 qg[j] = (query_t){c->qtab + q * tsize, c->qmul[q], c->qadd[q], c->qoffset ? c->qoffset[q] : 0.f,
                                   res + i0 + j};
             }
-            for (int b = 0; b < nblk; b++) c->scan(blk + b, qg, nqb, c->nbytes);
+            for (int b = 0; b < nblk; b++) c->scan(blk + b, qg, nqb, nbytes);
         }
     }
 }
@@ -525,10 +614,12 @@ static float reservoir_floor(reservoir_t *r) {
  * per block at most), so few rows enter the reservoir. A query whose full scan finds fewer than
  * `depth` rows above t is scanned again without it, so the result never depends on the estimate.
  *
- * codes [n, nbytes] uint8; scale [n] float; sq_table [2 nbytes, 16] float or NULL; qtab
+ * codes [n, row_bytes] uint8, read as nbytes nibble-packed bytes (bits 4: row_bytes = nbytes) or as
+ * 3-bit codes (bits 3, one per nibble); scale [n] float; sq_table [2 nbytes, 16] float or NULL; qtab
  * [nq, 2 nbytes, 16] uint8 (entries <= 127) with qmul, qadd [nq]; qoffset [nq] or NULL.
  * allow_simd = 0 forces the portable loop. */
-int tq_fastscan_candidates(const uint8_t *codes, int64_t n, int64_t nbytes, const float *scale,
+int tq_fastscan_candidates(const uint8_t *codes, int64_t n, int64_t row_bytes, int64_t nbytes, int bits,
+                           const float *scale,
                            const float *sq_table, int64_t nq, const uint8_t *qtab, const float *qmul,
                            const float *qadd, const float *qoffset, int64_t depth, float *cval, int64_t *crow,
                            int allow_simd) {
@@ -547,18 +638,21 @@ int tq_fastscan_candidates(const uint8_t *codes, int64_t n, int64_t nbytes, cons
     int64_t chunk = TABLE_CHUNK_BYTES / tsize;
     chunk = chunk < QGROUP ? QGROUP : chunk;
     chunk = (nq + (nq + chunk - 1) / chunk - 1) / ((nq + chunk - 1) / chunk);  /* equal chunks */
-    uint8_t *tb = malloc((size_t)(GROUP * 2 * BLOCK * nbytes));
+    uint8_t *tb = malloc((size_t)(GROUP * 2 * BLOCK * nbytes)), *xb = malloc((size_t)block_scratch(nbytes)),
+            *row = malloc((size_t)nbytes);
     float *rval = malloc(sizeof(float) * (size_t)(chunk * cap));
     int64_t *rrow = malloc(sizeof(int64_t) * (size_t)(chunk * cap));
     reservoir_t *res = malloc(sizeof(reservoir_t) * (size_t)chunk), *redo = malloc(sizeof(reservoir_t) * (size_t)chunk);
     int64_t *qidx = malloc(sizeof(int64_t) * (size_t)chunk), *ridx = malloc(sizeof(int64_t) * (size_t)chunk);
     int32_t *tmp = malloc(sizeof(int32_t) * (size_t)cap);
     float *floor_ = malloc(sizeof(float) * (size_t)chunk);
-    if (!tb || !rval || !rrow || !res || !redo || !qidx || !ridx || !tmp || !floor_) {
-        free(tb), free(rval), free(rrow), free(res), free(redo), free(qidx), free(ridx), free(tmp), free(floor_);
+    if (!tb || !xb || !row || !rval || !rrow || !res || !redo || !qidx || !ridx || !tmp || !floor_) {
+        free(tb), free(xb), free(row), free(rval), free(rrow), free(res), free(redo), free(qidx), free(ridx);
+        free(tmp), free(floor_);
         return -1;
     }
-    const scan_t ctx = {codes, n, nbytes, scale, sq_table, qtab, qmul, qadd, qoffset, scan, simd, tb};
+    const scan_t ctx = {{codes, n, row_bytes, nbytes, bits}, scale, sq_table, qtab, qmul, qadd, qoffset, scan, simd,
+                        tb, xb, row};
     for (int64_t c0 = 0; c0 < nq; c0 += chunk) {
         int64_t m = c0 + chunk < nq ? chunk : nq - c0;
         for (int64_t i = 0; i < m; i++) {
@@ -593,29 +687,32 @@ int tq_fastscan_candidates(const uint8_t *codes, int64_t n, int64_t nbytes, cons
             memcpy(crow + (c0 + i) * depth, r->row, sizeof(int64_t) * (size_t)cnt);
         }
     }
-    free(tb), free(rval), free(rrow), free(res), free(redo), free(qidx), free(ridx), free(tmp), free(floor_);
+    free(tb), free(xb), free(row), free(rval), free(rrow), free(res), free(redo), free(qidx), free(ridx);
+    free(tmp), free(floor_);
     return 0;
 }
 
 /* Scans code rows [0, n) for nq queries (see the file comment): the float tables ftab [nq, 2 nbytes, 16]
- * are quantized (tq_quantize_tables), approximate candidates found (tq_fastscan_candidates), re-scored
- * exactly with ftab and merged into heap row rows[i] (i when rows is NULL) of heap_val / heap_ids
- * [*, k], labelled labels[row] (label_base + row when labels is NULL). Returns 0, or -1 when out of
- * memory. */
-int tq_fastscan(const uint8_t *codes, int64_t n, int64_t nbytes, const float *scale, const float *sq_table,
-                const int64_t *labels, int64_t label_base, int64_t nq, const float *ftab, const float *qoffset,
-                int64_t depth, const int64_t *rows, int64_t k, float *heap_val, int64_t *heap_ids, int allow_simd) {
+ * are quantized (tq_quantize_tables), approximate candidates found (tq_fastscan_candidates, which says
+ * how rows are read), re-scored exactly with ftab and merged into heap row rows[i] (i when rows is NULL)
+ * of heap_val / heap_ids [*, k], labelled labels[row] (label_base + row when labels is NULL). Returns
+ * 0, or -1 when out of memory. */
+int tq_fastscan(const uint8_t *codes, int64_t n, int64_t row_bytes, int64_t nbytes, int bits, const float *scale,
+                const float *sq_table, const int64_t *labels, int64_t label_base, int64_t nq, const float *ftab,
+                const float *qoffset, int64_t depth, const int64_t *rows, int64_t k, float *heap_val, int64_t *heap_ids,
+                int allow_simd) {
     if (n <= 0 || nq <= 0) return 0;
     if (depth > n) depth = n;
     float *cval = malloc(sizeof(float) * (size_t)(nq * depth)), *qmul = malloc(sizeof(float) * (size_t)nq),
           *qadd = malloc(sizeof(float) * (size_t)nq);
     int64_t *crow = malloc(sizeof(int64_t) * (size_t)(nq * depth));
-    uint8_t *qtab = malloc((size_t)(nq * 2 * nbytes * 16));
+    uint8_t *qtab = malloc((size_t)(nq * 2 * nbytes * 16)), *buf = malloc((size_t)nbytes);
+    const rows_t codes_ = {codes, n, row_bytes, nbytes, bits};
     int status = -1;
-    if (cval && qmul && qadd && crow && qtab) {
+    if (cval && qmul && qadd && crow && qtab && buf) {
         tq_quantize_tables(ftab, nq, 2 * nbytes, qtab, qmul, qadd);
-        status = tq_fastscan_candidates(codes, n, nbytes, scale, sq_table, nq, qtab, qmul, qadd, qoffset, depth,
-                                        cval, crow, allow_simd);
+        status = tq_fastscan_candidates(codes, n, row_bytes, nbytes, bits, scale, sq_table, nq, qtab, qmul, qadd,
+                                        qoffset, depth, cval, crow, allow_simd);
     }
     for (int64_t q = 0; status == 0 && q < nq; q++) {
         const float *ft = ftab + q * 2 * nbytes * 16;
@@ -626,12 +723,12 @@ int tq_fastscan(const uint8_t *codes, int64_t n, int64_t nbytes, const float *sc
         for (int64_t j = 0; j < depth; j++) {
             int64_t v = crow[q * depth + j];
             if (v < 0) continue;
-            const uint8_t *row = codes + v * nbytes;
+            const uint8_t *row = nibble_row(&codes_, v, buf);
             float s = scale[v];
             float e = s * row_dot(row, ft, nbytes) + (sq_table ? -s * s * row_dot(row, sq_table, nbytes) : 0.f) + off;
             if (e > ev[0]) heap_replace_top(ev, ei, k, e, labels ? labels[v] : label_base + v);
         }
     }
-    free(cval), free(qmul), free(qadd), free(crow), free(qtab);
+    free(cval), free(qmul), free(qadd), free(crow), free(qtab), free(buf);
     return status;
 }
