@@ -6,7 +6,8 @@ code per nibble (expanded in the kernel, the index keeps 3 bits per code). The k
 uint8 tables plus a per-query affine map (:func:`quantize_tables` is the reference of that rule), sums
 32 rows at a time with byte shuffles (AVX2; a portable C loop elsewhere gives the same integers), keeps
 ``depth`` approximate candidates per query, re-scores them exactly with the float tables and merges
-them into a :class:`~tqindex.index.TopK`. Work is split over ``torch.get_num_threads()``
+them into a :class:`~tqindex.index.TopK` (an empty heap row gets its best k in ascending order, so a
+search of one run needs no heap sort). Work is split over ``torch.get_num_threads()``
 threads (by queries, or by rows for a few queries).
 
 The kernel is built by ``pip install`` when a C compiler is present (``native.py``); :func:`available`
@@ -159,7 +160,9 @@ class FastScan:
 
         if threads == 1 or m >= threads:  # split the queries
             cuts = np.linspace(0, m, threads + 1).astype(int).tolist()
-            native.parallel(call, [(0, n, a, b, rows, top.values, top.labels) for a, b in zip(cuts[:-1], cuts[1:])])
+            status = native.parallel(call, [(0, n, a, b, rows, top.values, top.labels)
+                                            for a, b in zip(cuts[:-1], cuts[1:])])
+            top.ascending &= not any(status)  # the kernel fills empty heap rows in ascending order
             return
         # few queries: split the rows, one private top-k per part, merged afterwards
         cuts = np.linspace(0, n, threads + 1).astype(int).tolist()

@@ -124,13 +124,16 @@ class TopK:
     """Running k largest scores of ``nq`` query rows with int64 labels.
 
     Kept as faiss min-heaps (C++, parallel over rows for large blocks): each pushed block costs about
-    one comparison per score, and nothing larger than [nq, k] is held.
+    one comparison per score, and nothing larger than [nq, k] is held. While ``ascending`` is true every
+    row is sorted ascending (a min-heap too), so :meth:`result` only reverses it; whoever writes rows
+    otherwise clears it.
     """
 
     def __init__(self, nq: int, k: int) -> None:
         self.k = k
         self.values = torch.full((nq, k), -math.inf)  # [nq, k] float32 in heap order (all equal: a valid heap)
         self.labels = torch.full((nq, k), -1, dtype=torch.int64)  # [nq, k]
+        self.ascending = True
         self._heaps = faiss.float_minheap_array_t()
         self._heaps.nh, self._heaps.k = nq, k
         self._heaps.val = faiss.cast_integer_to_float_ptr(self.values.data_ptr())
@@ -141,6 +144,7 @@ class TopK:
         column j has label ``labels[j]`` (int64 [B]); ``offset`` [r] is added to every score of its row."""
         if offset is not None:
             scores = scores + offset[:, None]
+        self.ascending = False
         scores, labels = scores.contiguous(), labels.contiguous()
         nj, vin = scores.shape[1], faiss.cast_integer_to_float_ptr(scores.data_ptr())
         ids = faiss.cast_integer_to_idx_t_ptr(labels.data_ptr())
@@ -154,6 +158,7 @@ class TopK:
     def merge(self, values: Tensor, labels: Tensor, rows: Tensor) -> None:
         """Merge per-row candidates: values float32 [r, j] and labels int64 [r, j] of heap rows ``rows`` [r]."""
         values, labels, rows = values.contiguous(), labels.contiguous(), rows.contiguous()
+        self.ascending = False
         self._heaps.addn_query_subset_with_ids(len(rows), faiss.cast_integer_to_idx_t_ptr(rows.data_ptr()),
                                                values.shape[1], faiss.cast_integer_to_float_ptr(values.data_ptr()),
                                                faiss.cast_integer_to_idx_t_ptr(labels.data_ptr()), values.shape[1])
@@ -161,6 +166,8 @@ class TopK:
     def result(self) -> tuple[Tensor, Tensor]:
         """(values [nq, k] float32, labels [nq, k] int64), best first; -inf and -1 where nothing was found.
         Sorts the heaps in place (faiss, parallel over rows): nothing may be pushed afterwards."""
+        if self.ascending:
+            return self.values.flip(1), self.labels.flip(1)
         self._heaps.reorder()  # pads with -FLT_MAX
         return self.values.masked_fill_(self.labels < 0, -math.inf), self.labels
 

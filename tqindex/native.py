@@ -56,12 +56,13 @@ def _pool(threads: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(threads, thread_name_prefix="tqindex")
 
 
-def parallel(call: Callable[..., int], jobs: Sequence[tuple[Any, ...]]) -> None:
-    """Run ``call(*job)`` for every job (on a thread pool when more than one); each returns a kernel
-    status, and a nonzero one raises MemoryError."""
+def parallel(call: Callable[..., int], jobs: Sequence[tuple[Any, ...]]) -> list[int]:
+    """Run ``call(*job)`` for every job (on a thread pool when more than one) and return their kernel
+    statuses; a negative one (out of memory) raises MemoryError."""
     if len(jobs) == 1:
         status = [call(*jobs[0])]
     else:
         status = list(_pool(len(jobs)).map(lambda job: call(*job), jobs))
-    if any(s != 0 for s in status):
+    if any(s < 0 for s in status):
         raise MemoryError("a compiled kernel could not allocate its buffers")
+    return status

@@ -53,6 +53,35 @@ static void heap_replace_top(float *val, int64_t *ids, int64_t k, float v, int64
     ids[i] = id;
 }
 
+/* rank[i] = how many of keys[0, n) come before keys[i] in descending order (larger, or equal and
+ * earlier); keys[n, roundup(n, 8)) must hold INT32_MIN (no real key). */
+static void rank_desc(const int32_t *keys, int64_t n, int64_t *rank) {
+    for (int64_t i = 0; i < n; i++) {
+        int64_t r = 0;
+        for (int64_t j = 0; j < n; j++) r += (keys[j] > keys[i]) | ((keys[j] == keys[i]) & (j < i));
+        rank[i] = r;
+    }
+}
+
+#ifdef TQ_X86
+__attribute__((target("avx2"))) static void rank_desc_avx2(const int32_t *keys, int64_t n, int64_t *rank) {
+    for (int64_t i = 0; i < n; i++) {
+        __m256i ki = _mm256_set1_epi32(keys[i]), gt = _mm256_setzero_si256(), eq = _mm256_setzero_si256();
+        for (int64_t j = 0; j < n; j += 8) {
+            __m256i kj = _mm256_loadu_si256((const __m256i *)(keys + j));
+            gt = _mm256_sub_epi32(gt, _mm256_cmpgt_epi32(kj, ki));
+            eq = _mm256_sub_epi32(eq, _mm256_cmpeq_epi32(kj, ki));
+        }
+        int32_t g[8], e[8], r = 0, ties = 0;
+        _mm256_storeu_si256((__m256i *)g, gt), _mm256_storeu_si256((__m256i *)e, eq);
+        for (int l = 0; l < 8; l++) r += g[l], ties += e[l];
+        if (ties > 1)  /* equal keys: the earlier ones come first */
+            for (int64_t j = 0; j < i; j++) r += keys[j] == keys[i];
+        rank[i] = r;
+    }
+}
+#endif
+
 /* Candidate reservoir: scores above `thr` are appended; when `cap` (= 2 keep) are held, a selection
  * keeps the `keep` largest and raises `thr` to the smallest kept, so an insert costs O(1) amortized. */
 typedef struct {
@@ -692,11 +721,18 @@ int tq_fastscan_candidates(const uint8_t *codes, int64_t n, int64_t row_bytes, i
     return 0;
 }
 
+/* Candidates ranked by counting (O(depth^2)) up to this depth; deeper ones go through the heap. */
+#define RANK_MAX_DEPTH 256
+/* Re-scoring reads the code row and scale of the candidate this many places ahead. */
+#define PREFETCH 8
+
 /* Scans code rows [0, n) for nq queries (see the file comment): the float tables ftab [nq, 2 nbytes, 16]
  * are quantized (tq_quantize_tables), approximate candidates found (tq_fastscan_candidates, which says
  * how rows are read), re-scored exactly with ftab and merged into heap row rows[i] (i when rows is NULL)
- * of heap_val / heap_ids [*, k], labelled labels[row] (label_base + row when labels is NULL). Returns
- * 0, or -1 when out of memory. */
+ * of heap_val / heap_ids [*, k], labelled labels[row] (label_base + row when labels is NULL). A heap
+ * row that held nothing (all -inf) receives its best k in ascending order, itself a valid min-heap.
+ * Returns 0 when every heap row it touched is in ascending order, 1 when some are only heaps, -1 when
+ * out of memory. */
 int tq_fastscan(const uint8_t *codes, int64_t n, int64_t row_bytes, int64_t nbytes, int bits, const float *scale,
                 const float *sq_table, const int64_t *labels, int64_t label_base, int64_t nq, const float *ftab,
                 const float *qoffset, int64_t depth, const int64_t *rows, int64_t k, float *heap_val, int64_t *heap_ids,
@@ -707,9 +743,12 @@ int tq_fastscan(const uint8_t *codes, int64_t n, int64_t row_bytes, int64_t nbyt
           *qadd = malloc(sizeof(float) * (size_t)nq);
     int64_t *crow = malloc(sizeof(int64_t) * (size_t)(nq * depth));
     uint8_t *qtab = malloc((size_t)(nq * 2 * nbytes * 16)), *buf = malloc((size_t)nbytes);
+    float *ex = malloc(sizeof(float) * (size_t)depth);
+    int64_t *eid = malloc(sizeof(int64_t) * (size_t)depth), *rank = malloc(sizeof(int64_t) * (size_t)depth);
+    int32_t *key = malloc(sizeof(int32_t) * (size_t)(depth + 8));
     const rows_t codes_ = {codes, n, row_bytes, nbytes, bits};
-    int status = -1;
-    if (cval && qmul && qadd && crow && qtab && buf) {
+    int status = -1, heaps_only = 0;
+    if (cval && qmul && qadd && crow && qtab && buf && ex && eid && rank && key) {
         tq_quantize_tables(ftab, nq, 2 * nbytes, qtab, qmul, qadd);
         status = tq_fastscan_candidates(codes, n, row_bytes, nbytes, bits, scale, sq_table, nq, qtab, qmul, qadd,
                                         qoffset, depth, cval, crow, allow_simd);
@@ -720,15 +759,35 @@ int tq_fastscan(const uint8_t *codes, int64_t n, int64_t row_bytes, int64_t nbyt
         int64_t hrow = rows ? rows[q] : q;
         float *ev = heap_val + hrow * k;
         int64_t *ei = heap_ids + hrow * k;
+        const int64_t *cand = crow + q * depth;
+        int empty = depth <= RANK_MAX_DEPTH;  /* rank the candidates into an empty heap row */
+        for (int64_t j = 0; empty && j < k; j++) empty = ev[j] == -INFINITY;
+        int64_t cnt = 0;
         for (int64_t j = 0; j < depth; j++) {
-            int64_t v = crow[q * depth + j];
+            int64_t v = cand[j];
+            if (j + PREFETCH < depth && cand[j + PREFETCH] >= 0) {
+                __builtin_prefetch(codes + cand[j + PREFETCH] * row_bytes);
+                __builtin_prefetch(scale + cand[j + PREFETCH]);
+            }
             if (v < 0) continue;
             const uint8_t *row = nibble_row(&codes_, v, buf);
             float s = scale[v];
             float e = s * row_dot(row, ft, nbytes) + (sq_table ? -s * s * row_dot(row, sq_table, nbytes) : 0.f) + off;
-            if (e > ev[0]) heap_replace_top(ev, ei, k, e, labels ? labels[v] : label_base + v);
+            int64_t id = labels ? labels[v] : label_base + v;
+            if (empty) ex[cnt] = e, eid[cnt] = id, key[cnt++] = float_key(e);
+            else if (e > ev[0]) heap_replace_top(ev, ei, k, e, id);
         }
+        heaps_only |= !empty;
+        if (!empty) continue;
+        for (int64_t j = cnt; j < cnt + 8; j++) key[j] = INT32_MIN;
+#ifdef TQ_X86
+        if (allow_simd && __builtin_cpu_supports("avx2")) rank_desc_avx2(key, cnt, rank);
+        else
+#endif
+            rank_desc(key, cnt, rank);
+        for (int64_t j = 0; j < cnt; j++)
+            if (rank[j] < k) ev[k - 1 - rank[j]] = ex[j], ei[k - 1 - rank[j]] = eid[j];
     }
-    free(cval), free(qmul), free(qadd), free(crow), free(qtab), free(buf);
-    return status;
+    free(cval), free(qmul), free(qadd), free(crow), free(qtab), free(buf), free(ex), free(eid), free(rank), free(key);
+    return status < 0 ? status : heaps_only;
 }
