@@ -111,8 +111,10 @@ def test_sampled_threshold_keeps_the_exact_candidates(adversarial):
 @pytest.mark.parametrize("nq", [1, 3, 37])
 @pytest.mark.parametrize("metric", ["ip", "cosine", "l2"])
 @pytest.mark.parametrize("name", ["tq4", "tq3"])
-def test_compiled_search_equals_pytorch_search(monkeypatch, nq, metric, name):
+@pytest.mark.parametrize("simd", [True, False])
+def test_compiled_search_equals_pytorch_search(monkeypatch, nq, metric, name, simd):
     monkeypatch.setattr(fs, "MIN_THREAD_SCORES", 64)  # split rows (few queries) or queries over threads
+    monkeypatch.setattr(fs, "SIMD", simd)
     g = torch.Generator().manual_seed(nq)
     x, q = torch.randn(5000, 48, generator=g), torch.randn(nq, 48, generator=g)
     index = tq.index_factory(48, name, metric=metric)
@@ -123,6 +125,24 @@ def test_compiled_search_equals_pytorch_search(monkeypatch, nq, metric, name):
     D0, I0 = index.search(q, 64)
     assert (I == I0).float().mean() > 0.999  # equal up to exact ties
     torch.testing.assert_close(D, D0, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("simd", [True, False])
+def test_tied_scores_come_out_sorted(monkeypatch, simd):
+    """500 distinct vectors, each 8 times: every score is tied; the candidates ranked into an empty
+    top-k keep the best scores, best first."""
+    monkeypatch.setattr(fs, "SIMD", simd)
+    g = torch.Generator().manual_seed(5)
+    x, q = torch.randn(500, 32, generator=g).repeat(8, 1), torch.randn(20, 32, generator=g)
+    index = tq.index_factory(32, "tq4")
+    index.add(x)
+    D, I = index.search(q, 64)
+    index.compiled_scan = False
+    D0, _ = index.search(q, 64)
+    torch.testing.assert_close(D, D0, rtol=1e-5, atol=1e-5)
+    assert (D[:, 1:] <= D[:, :-1]).all() and len(set(I[0].tolist())) == 64
+    scores = index.encoder.decode(index.encoder.encode(x)) @ q.T  # [4000, 20]
+    torch.testing.assert_close(D, scores.T.gather(1, I), rtol=1e-5, atol=1e-5)
 
 
 def test_scan_without_kernel(monkeypatch):

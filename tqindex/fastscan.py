@@ -48,6 +48,8 @@ def _ptr(t: Tensor | None) -> int | None:
 
 MIN_THREAD_SCORES = 1 << 16
 """A scan uses another thread only for at least this many more (row, query) scores."""
+SIMD = True
+"""Let searches use the kernel's AVX2 paths where the CPU has them (False: the portable loops)."""
 TABLE_MAX = 127
 """Largest quantized table entry: a byte's two lookups then add in 8 bits without overflow."""
 
@@ -156,7 +158,7 @@ class FastScan:
                 scale[r0:].data_ptr(), _ptr(sq),
                 None if labels is None else labels[r0:].data_ptr(), base + r0, q1 - q0, tables[q0:].data_ptr(),
                 None if offset is None else offset[q0:].data_ptr(), depth,
-                None if heap_rows is None else heap_rows[q0:].data_ptr(), k, hv.data_ptr(), hi.data_ptr(), 1)
+                None if heap_rows is None else heap_rows[q0:].data_ptr(), k, hv.data_ptr(), hi.data_ptr(), int(SIMD))
 
         if threads == 1 or m >= threads:  # split the queries
             cuts = np.linspace(0, m, threads + 1).astype(int).tolist()

@@ -26,6 +26,15 @@
 #include <immintrin.h>
 #endif
 
+/* 1 when this CPU runs the AVX2 (and FMA) paths. */
+static int cpu_avx2(void) {
+#ifdef TQ_X86
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+    return 0;
+#endif
+}
+
 #define BLOCK 32          /* rows looked up together */
 #define GROUP 8           /* blocks transposed together (256 rows) */
 #define TABLE_MAX 127     /* largest quantized table entry: a byte's two lookups add in 8 bits */
@@ -64,20 +73,21 @@ static void rank_desc(const int32_t *keys, int64_t n, int64_t *rank) {
 }
 
 #ifdef TQ_X86
+/* rank_desc with AVX2: keys before i count when >= keys[i] (> keys[i] - 1), keys after it when larger. */
 __attribute__((target("avx2"))) static void rank_desc_avx2(const int32_t *keys, int64_t n, int64_t *rank) {
+    static const int32_t lanes[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
     for (int64_t i = 0; i < n; i++) {
-        __m256i ki = _mm256_set1_epi32(keys[i]), gt = _mm256_setzero_si256(), eq = _mm256_setzero_si256();
-        for (int64_t j = 0; j < n; j += 8) {
-            __m256i kj = _mm256_loadu_si256((const __m256i *)(keys + j));
-            gt = _mm256_sub_epi32(gt, _mm256_cmpgt_epi32(kj, ki));
-            eq = _mm256_sub_epi32(eq, _mm256_cmpeq_epi32(kj, ki));
-        }
-        int32_t g[8], e[8], r = 0, ties = 0;
-        _mm256_storeu_si256((__m256i *)g, gt), _mm256_storeu_si256((__m256i *)e, eq);
-        for (int l = 0; l < 8; l++) r += g[l], ties += e[l];
-        if (ties > 1)  /* equal keys: the earlier ones come first */
-            for (int64_t j = 0; j < i; j++) r += keys[j] == keys[i];
-        rank[i] = r;
+        __m256i ki = _mm256_set1_epi32(keys[i]), ge = _mm256_set1_epi32(keys[i] - 1), c = _mm256_setzero_si256();
+        int64_t i0 = i & ~(int64_t)7, j = 0;
+        for (; j < i0; j += 8) c = _mm256_sub_epi32(c, _mm256_cmpgt_epi32(_mm256_loadu_si256((const __m256i *)(keys + j)), ge));
+        __m256i kj = _mm256_loadu_si256((const __m256i *)(keys + j)),
+                before = _mm256_loadu_si256((const __m256i *)(lanes + 8 - (i - i0)));  /* lanes of j < i */
+        c = _mm256_sub_epi32(c, _mm256_blendv_epi8(_mm256_cmpgt_epi32(kj, ki), _mm256_cmpgt_epi32(kj, ge), before));
+        for (j += 8; j < n; j += 8) c = _mm256_sub_epi32(c, _mm256_cmpgt_epi32(_mm256_loadu_si256((const __m256i *)(keys + j)), ki));
+        __m128i h = _mm_add_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
+        rank[i] = _mm_cvtsi128_si32(h);
     }
 }
 #endif
@@ -131,7 +141,9 @@ __attribute__((target("avx2"))) static int64_t count_at_least_avx2(const int32_t
 #endif
 
 /* Keeps the `keep` largest entries (ties at the threshold in arrival order) and raises thr to the
- * smallest of them, found by bisection over the float keys (at most 32 counting passes). */
+ * smallest of them. The threshold key is searched over [min key, max key] by counting passes, each
+ * probe interpolated between the counts at the bounds (or halving the bounds after a probe that did
+ * not), until exactly `keep` keys lie at or above the lower bound, or the bounds meet at a tied key. */
 static void reservoir_shrink(reservoir_t *r) {
     int32_t *keys = r->tmp;
     int32_t lo = INT32_MAX, hi = INT32_MIN;
@@ -141,25 +153,31 @@ static void reservoir_shrink(reservoir_t *r) {
         lo = k < lo ? k : lo;
         hi = k > hi ? k : hi;
     }
-    /* count(>= lo) >= keep > count(>= top): narrow to the keep-th largest key */
-    int64_t above = 0, at_lo = r->n;  /* entries above the final threshold, at or above it */
-    if (COUNT(keys, r->n, hi) >= r->keep) lo = hi, at_lo = COUNT(keys, r->n, hi);
+    /* count(>= lo) = at_lo >= keep > above = count(>= top) */
+    int64_t above = COUNT(keys, r->n, hi), at_lo = r->n;
+    if (above >= r->keep) lo = hi, at_lo = above, above = 0;
     else {
-        int64_t top = hi;
-        above = COUNT(keys, r->n, (int32_t)top);
-        while (top - lo > 1) {
-            int32_t mid = (int32_t)(lo + (top - lo) / 2);
+        int64_t top = hi, bisect = 0;
+        while (top - lo > 1 && at_lo != r->keep) {
+            int64_t span = top - lo, step = span / 2;
+            if (!bisect) step = (int64_t)((double)span * ((double)(at_lo - r->keep) + 0.5) / (double)(at_lo - above));
+            step = step < 1 ? 1 : step > span - 1 ? span - 1 : step;
+            int32_t mid = (int32_t)(lo + step);
             int64_t c = COUNT(keys, r->n, mid);
             if (c >= r->keep) lo = mid, at_lo = c;
             else top = mid, above = c;
+            bisect = !bisect && 2 * (top - lo) > span;  /* the probe kept more than half */
         }
     }
     int64_t m = 0;
+    int32_t low = INT32_MAX;  /* the smallest key kept */
     if (at_lo == r->keep) {  /* no surplus ties at the threshold */
         for (int64_t i = 0; i < r->n; i++) {
+            int take = keys[i] >= lo;
             r->val[m] = r->val[i];
             r->row[m] = r->row[i];
-            m += keys[i] >= lo;
+            low = take && keys[i] < low ? keys[i] : low;
+            m += take;
         }
     } else {
         int64_t ties = r->keep - above;  /* entries equal to the threshold that stay */
@@ -170,9 +188,10 @@ static void reservoir_shrink(reservoir_t *r) {
             r->row[m] = r->row[i];
             m += take;
         }
+        low = lo;
     }
     r->n = r->keep;
-    memcpy(&r->thr, &(int32_t){lo ^ ((lo >> 31) & 0x7fffffff)}, sizeof r->thr);
+    memcpy(&r->thr, &(int32_t){low ^ ((low >> 31) & 0x7fffffff)}, sizeof r->thr);
 }
 
 static inline void reservoir_add(reservoir_t *r, float v, int64_t row) {
@@ -196,6 +215,44 @@ static inline void reservoir_offer(reservoir_t *r, const float *sc, unsigned mas
         mask &= mask - 1;
         if (sc[i] > r->thr) reservoir_add(r, sc[i], row0 + PERM[i]);
     }
+}
+
+/* --------------------------------------------------------------------------------------- scratch */
+
+/* Scratch memory of each thread, kept between calls (up to SCRATCH_KEEP bytes): a scan then maps no
+ * fresh pages (page faults and, with several threads, TLB shootdowns when they are unmapped). Slot 0
+ * serves tq_fastscan, slot 1 tq_fastscan_candidates. */
+#define SCRATCH_KEEP ((size_t)64 << 20)
+typedef struct {
+    uint8_t *p;
+    size_t cap;
+} arena_t;
+static __thread arena_t arenas[2];
+
+/* Points *ptrs[i] at sizes[i] bytes (64-byte aligned) of this thread's arena `slot`; 0, or -1 when out
+ * of memory. */
+static int arena_get(int slot, int count, const size_t *sizes, void **const *ptrs) {
+    arena_t *a = arenas + slot;
+    size_t total = 64;
+    for (int i = 0; i < count; i++) total += (sizes[i] + 63) & ~(size_t)63;
+    if (a->cap < total) {
+        free(a->p);
+        a->p = malloc(total);
+        a->cap = a->p ? total : 0;
+        if (!a->p) return -1;
+    }
+    uint8_t *at = (uint8_t *)(((uintptr_t)a->p + 63) & ~(uintptr_t)63);
+    for (int i = 0; i < count; i++) {
+        *ptrs[i] = at;
+        at += (sizes[i] + 63) & ~(size_t)63;
+    }
+    return 0;
+}
+
+/* Ends a call's use of arena `slot`: a large one is given back. */
+static void arena_done(int slot) {
+    arena_t *a = arenas + slot;
+    if (a->cap > SCRATCH_KEEP) free(a->p), a->p = NULL, a->cap = 0;
 }
 
 /* ----------------------------------------------------------------------------------------- sums */
@@ -315,7 +372,7 @@ typedef void (*scan_fn)(const block_t *, const query_t *, int, int64_t);
 
 static scan_fn pick_scan(int allow_simd) {
 #ifdef TQ_X86
-    if (allow_simd && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return scan_block_avx2;
+    if (allow_simd && cpu_avx2()) return scan_block_avx2;
 #endif
     (void)allow_simd;
     return scan_block_generic;
@@ -667,19 +724,20 @@ int tq_fastscan_candidates(const uint8_t *codes, int64_t n, int64_t row_bytes, i
     int64_t chunk = TABLE_CHUNK_BYTES / tsize;
     chunk = chunk < QGROUP ? QGROUP : chunk;
     chunk = (nq + (nq + chunk - 1) / chunk - 1) / ((nq + chunk - 1) / chunk);  /* equal chunks */
-    uint8_t *tb = malloc((size_t)(GROUP * 2 * BLOCK * nbytes)), *xb = malloc((size_t)block_scratch(nbytes)),
-            *row = malloc((size_t)nbytes);
-    float *rval = malloc(sizeof(float) * (size_t)(chunk * cap));
-    int64_t *rrow = malloc(sizeof(int64_t) * (size_t)(chunk * cap));
-    reservoir_t *res = malloc(sizeof(reservoir_t) * (size_t)chunk), *redo = malloc(sizeof(reservoir_t) * (size_t)chunk);
-    int64_t *qidx = malloc(sizeof(int64_t) * (size_t)chunk), *ridx = malloc(sizeof(int64_t) * (size_t)chunk);
-    int32_t *tmp = malloc(sizeof(int32_t) * (size_t)cap);
-    float *floor_ = malloc(sizeof(float) * (size_t)chunk);
-    if (!tb || !xb || !row || !rval || !rrow || !res || !redo || !qidx || !ridx || !tmp || !floor_) {
-        free(tb), free(xb), free(row), free(rval), free(rrow), free(res), free(redo), free(qidx), free(ridx);
-        free(tmp), free(floor_);
-        return -1;
-    }
+    uint8_t *tb, *xb, *row;
+    float *rval, *floor_;
+    int64_t *rrow, *qidx, *ridx;
+    reservoir_t *res, *redo;
+    int32_t *tmp;
+    const size_t sizes[] = {(size_t)(GROUP * 2 * BLOCK * nbytes), (size_t)block_scratch(nbytes), (size_t)nbytes,
+                            sizeof(float) * (size_t)(chunk * cap), sizeof(float) * (size_t)chunk,
+                            sizeof(int64_t) * (size_t)(chunk * cap), sizeof(int64_t) * (size_t)chunk,
+                            sizeof(int64_t) * (size_t)chunk, sizeof(reservoir_t) * (size_t)chunk,
+                            sizeof(reservoir_t) * (size_t)chunk, sizeof(int32_t) * (size_t)cap};
+    void **const ptrs[] = {(void **)&tb, (void **)&xb, (void **)&row, (void **)&rval, (void **)&floor_,
+                           (void **)&rrow, (void **)&qidx, (void **)&ridx, (void **)&res, (void **)&redo,
+                           (void **)&tmp};
+    if (arena_get(1, 11, sizes, ptrs)) return -1;
     const scan_t ctx = {{codes, n, row_bytes, nbytes, bits}, scale, sq_table, qtab, qmul, qadd, qoffset, scan, simd,
                         tb, xb, row};
     for (int64_t c0 = 0; c0 < nq; c0 += chunk) {
@@ -716,14 +774,13 @@ int tq_fastscan_candidates(const uint8_t *codes, int64_t n, int64_t row_bytes, i
             memcpy(crow + (c0 + i) * depth, r->row, sizeof(int64_t) * (size_t)cnt);
         }
     }
-    free(tb), free(xb), free(row), free(rval), free(rrow), free(res), free(redo), free(qidx), free(ridx);
-    free(tmp), free(floor_);
+    arena_done(1);
     return 0;
 }
 
 /* Candidates ranked by counting (O(depth^2)) up to this depth; deeper ones go through the heap. */
 #define RANK_MAX_DEPTH 256
-/* Re-scoring reads the code row and scale of the candidate this many places ahead. */
+/* Re-scoring fetches the code row and scale of the candidate this many places ahead. */
 #define PREFETCH 8
 
 /* Scans code rows [0, n) for nq queries (see the file comment): the float tables ftab [nq, 2 nbytes, 16]
@@ -739,20 +796,23 @@ int tq_fastscan(const uint8_t *codes, int64_t n, int64_t row_bytes, int64_t nbyt
                 int allow_simd) {
     if (n <= 0 || nq <= 0) return 0;
     if (depth > n) depth = n;
-    float *cval = malloc(sizeof(float) * (size_t)(nq * depth)), *qmul = malloc(sizeof(float) * (size_t)nq),
-          *qadd = malloc(sizeof(float) * (size_t)nq);
-    int64_t *crow = malloc(sizeof(int64_t) * (size_t)(nq * depth));
-    uint8_t *qtab = malloc((size_t)(nq * 2 * nbytes * 16)), *buf = malloc((size_t)nbytes);
-    float *ex = malloc(sizeof(float) * (size_t)depth);
-    int64_t *eid = malloc(sizeof(int64_t) * (size_t)depth), *rank = malloc(sizeof(int64_t) * (size_t)depth);
-    int32_t *key = malloc(sizeof(int32_t) * (size_t)(depth + 8));
+    float *cval, *qmul, *qadd, *ex;
+    int64_t *crow, *eid, *rank;
+    uint8_t *qtab, *buf;
+    int32_t *key;
+    const size_t sizes[] = {sizeof(float) * (size_t)(nq * depth), sizeof(float) * (size_t)nq,
+                            sizeof(float) * (size_t)nq, sizeof(float) * (size_t)depth,
+                            sizeof(int64_t) * (size_t)(nq * depth), sizeof(int64_t) * (size_t)depth,
+                            sizeof(int64_t) * (size_t)depth, (size_t)(nq * 2 * nbytes * 16), (size_t)nbytes,
+                            sizeof(int32_t) * (size_t)(depth + 8)};
+    void **const ptrs[] = {(void **)&cval, (void **)&qmul, (void **)&qadd, (void **)&ex, (void **)&crow,
+                           (void **)&eid, (void **)&rank, (void **)&qtab, (void **)&buf, (void **)&key};
+    if (arena_get(0, 10, sizes, ptrs)) return -1;
     const rows_t codes_ = {codes, n, row_bytes, nbytes, bits};
-    int status = -1, heaps_only = 0;
-    if (cval && qmul && qadd && crow && qtab && buf && ex && eid && rank && key) {
-        tq_quantize_tables(ftab, nq, 2 * nbytes, qtab, qmul, qadd);
-        status = tq_fastscan_candidates(codes, n, row_bytes, nbytes, bits, scale, sq_table, nq, qtab, qmul, qadd,
+    int heaps_only = 0;
+    tq_quantize_tables(ftab, nq, 2 * nbytes, qtab, qmul, qadd);
+    int status = tq_fastscan_candidates(codes, n, row_bytes, nbytes, bits, scale, sq_table, nq, qtab, qmul, qadd,
                                         qoffset, depth, cval, crow, allow_simd);
-    }
     for (int64_t q = 0; status == 0 && q < nq; q++) {
         const float *ft = ftab + q * 2 * nbytes * 16;
         float off = qoffset ? qoffset[q] : 0.f;
@@ -760,6 +820,8 @@ int tq_fastscan(const uint8_t *codes, int64_t n, int64_t row_bytes, int64_t nbyt
         float *ev = heap_val + hrow * k;
         int64_t *ei = heap_ids + hrow * k;
         const int64_t *cand = crow + q * depth;
+        if (q + 1 < nq)  /* the next query's float tables, from a cache level further out */
+            for (int64_t l = 0; l < 2 * nbytes * 16; l += 16) __builtin_prefetch(ft + 2 * nbytes * 16 + l);
         int empty = depth <= RANK_MAX_DEPTH;  /* rank the candidates into an empty heap row */
         for (int64_t j = 0; empty && j < k; j++) empty = ev[j] == -INFINITY;
         int64_t cnt = 0;
@@ -774,20 +836,26 @@ int tq_fastscan(const uint8_t *codes, int64_t n, int64_t row_bytes, int64_t nbyt
             float s = scale[v];
             float e = s * row_dot(row, ft, nbytes) + (sq_table ? -s * s * row_dot(row, sq_table, nbytes) : 0.f) + off;
             int64_t id = labels ? labels[v] : label_base + v;
-            if (empty) ex[cnt] = e, eid[cnt] = id, key[cnt++] = float_key(e);
+            if (empty) ex[cnt] = e, eid[cnt++] = id;
             else if (e > ev[0]) heap_replace_top(ev, ei, k, e, id);
         }
         heaps_only |= !empty;
         if (!empty) continue;
+        if (cnt > k) {  /* keep the best k (ties in candidate order), then rank only those */
+            reservoir_t best = {ex, eid, cnt, k, -INFINITY, key, allow_simd && cpu_avx2(), 0};
+            reservoir_shrink(&best);
+            cnt = k;
+        }
+        for (int64_t j = 0; j < cnt; j++) key[j] = float_key(ex[j]);
         for (int64_t j = cnt; j < cnt + 8; j++) key[j] = INT32_MIN;
 #ifdef TQ_X86
-        if (allow_simd && __builtin_cpu_supports("avx2")) rank_desc_avx2(key, cnt, rank);
+        if (allow_simd && cpu_avx2()) rank_desc_avx2(key, cnt, rank);
         else
 #endif
             rank_desc(key, cnt, rank);
         for (int64_t j = 0; j < cnt; j++)
             if (rank[j] < k) ev[k - 1 - rank[j]] = ex[j], ei[k - 1 - rank[j]] = eid[j];
     }
-    free(cval), free(qmul), free(qadd), free(crow), free(qtab), free(buf), free(ex), free(eid), free(rank), free(key);
+    arena_done(0);
     return status < 0 ? status : heaps_only;
 }
