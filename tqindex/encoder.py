@@ -156,7 +156,11 @@ class Encoder(ABC):
         qt = as_float_tensor(q, self.dim, "q")
         if device is not None:
             qt = qt.to(device)
-        return self._rotation(qt.device).apply(qt)
+        return self.rotate(qt)
+
+    def rotate(self, x: Tensor) -> Tensor:
+        """``R x`` for float32 x [..., dim] already validated (:meth:`prepare_queries` without the checks)."""
+        return self._rotation(x.device).apply(x)
 
     def rotate_back(self, y: Tensor) -> Tensor:
         """``Rᵀ y`` for y [..., dim] float in the rotated domain (e.g. attention outputs summed there)."""

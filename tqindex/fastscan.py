@@ -48,6 +48,10 @@ def _ptr(t: Tensor | None) -> int | None:
 
 MIN_THREAD_SCORES = 1 << 16
 """A scan uses another thread only for at least this many more (row, query) scores."""
+JOBS_PER_THREAD = 4
+"""Queries are split into up to this many jobs per thread (of at least MIN_JOB_QUERIES), which the
+threads take in turn: a thread slowed by other work takes fewer."""
+MIN_JOB_QUERIES = 64
 SIMD = True
 """Let searches use the kernel's AVX2 paths where the CPU has them (False: the portable loops)."""
 TABLE_MAX = 127
@@ -160,10 +164,11 @@ class FastScan:
                 None if offset is None else offset[q0:].data_ptr(), depth,
                 None if heap_rows is None else heap_rows[q0:].data_ptr(), k, hv.data_ptr(), hi.data_ptr(), int(SIMD))
 
-        if threads == 1 or m >= threads:  # split the queries
-            cuts = np.linspace(0, m, threads + 1).astype(int).tolist()
+        if threads == 1 or m >= threads:  # split the queries, into several jobs per thread when they are many
+            jobs = threads if threads == 1 else max(threads, min(threads * JOBS_PER_THREAD, m // MIN_JOB_QUERIES))
+            cuts = np.linspace(0, m, jobs + 1).astype(int).tolist()
             status = native.parallel(call, [(0, n, a, b, rows, top.values, top.labels)
-                                            for a, b in zip(cuts[:-1], cuts[1:])])
+                                            for a, b in zip(cuts[:-1], cuts[1:])], threads)
             top.ascending &= not any(status)  # the kernel fills empty heap rows in ascending order
             return
         # few queries: split the rows, one private top-k per part, merged afterwards

@@ -407,7 +407,7 @@ class BaseIndex(ABC):
             step = QUERY_CHUNK if fast is None else min(QUERY_CHUNK, max(1, FAST_TABLE_BYTES // fast.table_bytes))
             for i in range(0, len(qt), step):
                 chunk = qt[i : i + step]
-                qr = self.encoder.prepare_queries(chunk)  # [m, dim]
+                qr = self.encoder.rotate(chunk)  # [m, dim]; chunk is validated
                 l2 = self.metric == "l2"
                 scan = BlockScan(self.encoder, l2, 2 * qr if l2 else qr, TopK(len(chunk), depth), self._lut,
                                  bar if show else None, fast)
@@ -483,7 +483,7 @@ class BaseIndex(ABC):
         """Ids of labels (any shape; -1 stays -1)."""
         ids, starts = self._id_table()
         if len(starts) == 1:  # labels are rows; -1 picks the trailing -1
-            return ids[labels]
+            return torch.take(ids, labels)
         pos = starts[labels >> LIST_SHIFT] + (labels & ((1 << LIST_SHIFT) - 1))
         return ids[torch.where(labels >= 0, pos, -1)]
 

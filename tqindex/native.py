@@ -56,13 +56,15 @@ def _pool(threads: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(threads, thread_name_prefix="tqindex")
 
 
-def parallel(call: Callable[..., int], jobs: Sequence[tuple[Any, ...]]) -> list[int]:
-    """Run ``call(*job)`` for every job (on a thread pool when more than one) and return their kernel
+def parallel(call: Callable[..., int], jobs: Sequence[tuple[Any, ...]], threads: int | None = None) -> list[int]:
+    """Run ``call(*job)`` for every job on ``threads`` threads (default: one per job; each takes the
+    next job when it is done, so a thread slowed by other work takes fewer) and return their kernel
     statuses; a negative one (out of memory) raises MemoryError."""
-    if len(jobs) == 1:
-        status = [call(*jobs[0])]
+    threads = min(threads or len(jobs), len(jobs))
+    if threads == 1:
+        status = [call(*job) for job in jobs]
     else:
-        status = list(_pool(len(jobs)).map(lambda job: call(*job), jobs))
+        status = list(_pool(threads).map(lambda job: call(*job), jobs))
     if any(s < 0 for s in status):
         raise MemoryError("a compiled kernel could not allocate its buffers")
     return status
