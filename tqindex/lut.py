@@ -21,7 +21,7 @@ from torch import Tensor
 
 from .codes import Codes
 from .encoder import Encoder
-from .packing import packed_size, unpack
+from .packing import unpack
 
 LUT_BITS = (1, 2, 4)
 STREAM_BITS = 3
@@ -57,8 +57,8 @@ class LookupTables:
                              f"one run (TurboQuantMSE, TurboQuantPCA), got {encoder!r}")
         self.dim = encoder.dim
         self.runs = []  # (first coordinate, coordinates, codes per nibble, nibble bytes, levels [16, per nibble])
-        self.row_bytes = 0  # packed bytes per vector
-        self.code_bits = 4  # 4: every nibble holds whole codes; 3: a stream of 3-bit codes, one per nibble read
+        # 4: every nibble holds whole codes; 3: one run of 3-bit codes (a bit stream), one per nibble read
+        self.code_bits = STREAM_BITS if [w for _, w, _ in encoder.segments()] == [STREAM_BITS] else 4
         start = 0
         for n, w, centroids in encoder.segments():
             if w:
@@ -66,10 +66,8 @@ class LookupTables:
                 nibbles = unpack(torch.arange(16, dtype=torch.uint8, device=device)[:, None], w, per_nibble)
                 nbytes = -(-n // (2 * per_nibble))
                 self.runs.append((start, n, per_nibble, nbytes, centroids.to(device)[nibbles.int()]))
-                self.row_bytes += packed_size(n, w)
-                self.code_bits = w if w == STREAM_BITS else 4
             start += n
-        self.nbytes = sum(r[3] for r in self.runs)  # P: nibble-packed bytes per vector (= row_bytes but for 3 bits)
+        self.nbytes = sum(r[3] for r in self.runs)  # P: nibble-packed bytes per vector (more than stored for 3 bits)
         self.offsets = torch.arange(0, 256 * self.nbytes, 256, dtype=torch.int32, device=device)  # [P]
         self.sq_tables = self._bytes(self.nibble_tables(None)[None])  # [P, 256, 1]: sums of c² (1/2/4 bits)
 

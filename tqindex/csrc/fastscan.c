@@ -3,12 +3,14 @@
  * A code row is `nbytes` packed bytes; each 4-bit nibble t (t = 2p: low nibble of byte p, t = 2p + 1:
  * high nibble) holds 4/b whole codes, so a query's partial inner product with the row is a sum of
  * 2 * nbytes table entries T[t][nibble_t]. Rows of 3-bit codes (a bit stream, 8 codes in 3 bytes) are
- * expanded to one code per nibble as they are read (expand3), so they are scanned the same way. The scan quantizes T to uint8 per query
- * (tq_quantize_tables: T ~= qmul * U + per-nibble offsets summing to qadd), looks up 32 rows at once
- * with `pshufb` on AVX2 for 3 queries per pass over a block (a portable loop gives the same integers
- * elsewhere), keeps the `depth` best approximate scores per query (a reservoir whose threshold starts
- * from a sampled estimate), re-scores those candidates exactly with the float tables and merges them
- * into the caller's exact top-k min-heaps (faiss layout: root = smallest of the k kept).
+ * expanded to one code per nibble as they are read (expand3), so they are scanned the same way.
+ *
+ * The scan quantizes T to uint8 per query (tq_quantize_tables: T ~= qmul * U + per-nibble offsets
+ * summing to qadd), looks up 32 rows at once with `pshufb` on AVX2 for 3 queries per pass over a block
+ * (a portable loop gives the same integers elsewhere), keeps the `depth` best approximate scores per
+ * query (a reservoir whose threshold starts from a sampled estimate), re-scores those candidates
+ * exactly with the float tables and merges them into the caller's exact top-k min-heaps (faiss layout:
+ * root = smallest of the k kept; an empty row gets its best k sorted ascending).
  *
  * score(row v) = scale[v] * <q, c_v> + bias_v + qoffset[q], with bias_v = -scale[v]^2 * ||c_v||^2
  * when `sq_table` is given ("l2" scoring) and 0 otherwise.
@@ -17,6 +19,7 @@
  */
 #include <math.h>
 #include <limits.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -63,7 +66,7 @@ static void heap_replace_top(float *val, int64_t *ids, int64_t k, float v, int64
 }
 
 /* rank[i] = how many of keys[0, n) come before keys[i] in descending order (larger, or equal and
- * earlier); keys[n, roundup(n, 8)) must hold INT32_MIN (no real key). */
+ * earlier). */
 static void rank_desc(const int32_t *keys, int64_t n, int64_t *rank) {
     for (int64_t i = 0; i < n; i++) {
         int64_t r = 0;
@@ -73,7 +76,8 @@ static void rank_desc(const int32_t *keys, int64_t n, int64_t *rank) {
 }
 
 #ifdef TQ_X86
-/* rank_desc with AVX2: keys before i count when >= keys[i] (> keys[i] - 1), keys after it when larger. */
+/* rank_desc with AVX2: keys before i count when >= keys[i] (> keys[i] - 1), keys after it when larger;
+ * it reads keys[n, roundup(n, 8)), which must hold INT32_MIN (no float's key). */
 __attribute__((target("avx2"))) static void rank_desc_avx2(const int32_t *keys, int64_t n, int64_t *rank) {
     static const int32_t lanes[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
     for (int64_t i = 0; i < n; i++) {
@@ -219,20 +223,34 @@ static inline void reservoir_offer(reservoir_t *r, const float *sc, unsigned mas
 
 /* --------------------------------------------------------------------------------------- scratch */
 
-/* Scratch memory of each thread, kept between calls (up to SCRATCH_KEEP bytes): a scan then maps no
- * fresh pages (page faults and, with several threads, TLB shootdowns when they are unmapped). Slot 0
- * serves tq_fastscan, slot 1 tq_fastscan_candidates. */
-#define SCRATCH_KEEP ((size_t)64 << 20)
+/* Scratch memory of each thread, kept between calls (up to SCRATCH_KEEP bytes) and freed when the
+ * thread ends: a scan then maps no fresh pages (page faults and, with several threads, TLB shootdowns
+ * when they are unmapped). Slot 0 serves tq_fastscan, slot 1 tq_fastscan_candidates. */
+#define SCRATCH_KEEP ((size_t)16 << 20)
 typedef struct {
     uint8_t *p;
     size_t cap;
 } arena_t;
-static __thread arena_t arenas[2];
+static pthread_key_t arena_key;
+static pthread_once_t arena_once = PTHREAD_ONCE_INIT;
+
+static void arenas_free(void *p) {
+    arena_t *a = p;
+    free(a[0].p), free(a[1].p), free(a);
+}
+
+static void arenas_init(void) { pthread_key_create(&arena_key, arenas_free); }
 
 /* Points *ptrs[i] at sizes[i] bytes (64-byte aligned) of this thread's arena `slot`; 0, or -1 when out
  * of memory. */
 static int arena_get(int slot, int count, const size_t *sizes, void **const *ptrs) {
-    arena_t *a = arenas + slot;
+    pthread_once(&arena_once, arenas_init);
+    arena_t *a = pthread_getspecific(arena_key);
+    if (!a) {
+        if (!(a = calloc(2, sizeof *a))) return -1;
+        pthread_setspecific(arena_key, a);
+    }
+    a += slot;
     size_t total = 64;
     for (int i = 0; i < count; i++) total += (sizes[i] + 63) & ~(size_t)63;
     if (a->cap < total) {
@@ -249,9 +267,9 @@ static int arena_get(int slot, int count, const size_t *sizes, void **const *ptr
     return 0;
 }
 
-/* Ends a call's use of arena `slot`: a large one is given back. */
+/* Ends a call's use of arena `slot` (after a successful arena_get): a large one is given back. */
 static void arena_done(int slot) {
-    arena_t *a = arenas + slot;
+    arena_t *a = (arena_t *)pthread_getspecific(arena_key) + slot;
     if (a->cap > SCRATCH_KEEP) free(a->p), a->p = NULL, a->cap = 0;
 }
 
@@ -705,10 +723,9 @@ static float reservoir_floor(reservoir_t *r) {
  * [nq, 2 nbytes, 16] uint8 (entries <= 127) with qmul, qadd [nq]; qoffset [nq] or NULL.
  * allow_simd = 0 forces the portable loop. */
 int tq_fastscan_candidates(const uint8_t *codes, int64_t n, int64_t row_bytes, int64_t nbytes, int bits,
-                           const float *scale,
-                           const float *sq_table, int64_t nq, const uint8_t *qtab, const float *qmul,
-                           const float *qadd, const float *qoffset, int64_t depth, float *cval, int64_t *crow,
-                           int allow_simd) {
+                           const float *scale, const float *sq_table, int64_t nq, const uint8_t *qtab,
+                           const float *qmul, const float *qadd, const float *qoffset, int64_t depth, float *cval,
+                           int64_t *crow, int allow_simd) {
     for (int64_t i = 0; i < nq * depth; i++) cval[i] = -INFINITY, crow[i] = -1;
     if (n <= 0 || nq <= 0 || depth <= 0) return 0;
     scan_fn scan = pick_scan(allow_simd);
@@ -853,8 +870,7 @@ int tq_fastscan(const uint8_t *codes, int64_t n, int64_t row_bytes, int64_t nbyt
         else
 #endif
             rank_desc(key, cnt, rank);
-        for (int64_t j = 0; j < cnt; j++)
-            if (rank[j] < k) ev[k - 1 - rank[j]] = ex[j], ei[k - 1 - rank[j]] = eid[j];
+        for (int64_t j = 0; j < cnt; j++) ev[k - 1 - rank[j]] = ex[j], ei[k - 1 - rank[j]] = eid[j];
     }
     arena_done(0);
     return status < 0 ? status : heaps_only;
