@@ -131,8 +131,9 @@ class TopK:
 
     def __init__(self, nq: int, k: int) -> None:
         self.k = k
-        self.values = torch.full((nq, k), -math.inf)  # [nq, k] float32 in heap order (all equal: a valid heap)
-        self.labels = torch.full((nq, k), -1, dtype=torch.int64)  # [nq, k]
+        # filled by numpy on one thread: a torch fill of this size wakes the intra-op thread pool
+        self.values = torch.from_numpy(np.full((nq, k), -np.inf, np.float32))  # [nq, k] in heap order
+        self.labels = torch.from_numpy(np.full((nq, k), -1, np.int64))  # [nq, k]
         self.ascending = True
         self._heaps = faiss.float_minheap_array_t()
         self._heaps.nh, self._heaps.k = nq, k
@@ -167,7 +168,8 @@ class TopK:
         """(values [nq, k] float32, labels [nq, k] int64), best first; -inf and -1 where nothing was found.
         Sorts the heaps in place (faiss, parallel over rows): nothing may be pushed afterwards."""
         if self.ascending:
-            return self.values.flip(1), self.labels.flip(1)
+            return (torch.from_numpy(self.values.numpy()[:, ::-1].copy()),
+                    torch.from_numpy(self.labels.numpy()[:, ::-1].copy()))
         self._heaps.reorder()  # pads with -FLT_MAX
         return self.values.masked_fill_(self.labels < 0, -math.inf), self.labels
 
@@ -398,7 +400,7 @@ class BaseIndex(ABC):
         qt = self._vectors_in(q, "q", allow_empty=True)
         allowed = None if allow is None else torch.from_numpy(np.unique(_int_array(allow, "allow")))
         depth = k * self.rerank_factor if self.keep_vectors else k
-        D, I = torch.empty(len(qt), k), torch.empty(len(qt), k, dtype=torch.int64)
+        parts = []  # (D, I) of each chunk of queries
         work = self._search_work(len(qt), **opts)
         show = _show(progress, work >= PROGRESS_MIN_SCORES)
         with tqdm(total=work, unit="score", unit_scale=True, desc="search",
@@ -415,9 +417,14 @@ class BaseIndex(ABC):
                 values, labels = scan.top.result()
                 if self.keep_vectors:
                     values, labels = self._rerank(chunk, values, labels, k)
-                D[i : i + len(chunk)] = chunk.square().sum(1, keepdim=True) - values if scan.l2 else values
-                I[i : i + len(chunk)] = self._ids_of(labels)
+                parts.append((chunk.square().sum(1, keepdim=True) - values if scan.l2 else values,
+                              self._ids_of(labels)))
             bar.total = bar.n  # the work estimate is exact only without ``allow``
+        if len(parts) == 1:
+            D, I = parts[0]
+        else:
+            D = torch.cat([d for d, _ in parts]) if parts else torch.empty(0, k)
+            I = torch.cat([i for _, i in parts]) if parts else torch.empty(0, k, dtype=torch.int64)
         if isinstance(q, Tensor):
             return D.to(q.device), I.to(q.device)
         return D.numpy(), I.numpy()
