@@ -2,13 +2,13 @@
 
 Each 4-bit nibble of a packed code row holds whole codes, so a query's score is ``s · Σ_t T[t][nibble_t]``
 over the row's 2·P nibbles (:meth:`LookupTables.nibble_tables`); rows of 3-bit codes are read as one
-code per nibble (expanded in the kernel, the index keeps 3 bits per code). The kernel turns the float tables into
-uint8 tables plus a per-query affine map (:func:`quantize_tables` is the reference of that rule), sums
-32 rows at a time with byte shuffles (AVX2; a portable C loop elsewhere gives the same integers), keeps
-``depth`` approximate candidates per query, re-scores them exactly with the float tables and merges
-them into a :class:`~tqindex.index.TopK` (an empty heap row gets its best k in ascending order, so a
-search of one run needs no heap sort). Work is split over ``torch.get_num_threads()``
-threads (by queries, or by rows for a few queries).
+code per nibble (expanded in the kernel; the index keeps 3 bits per code). The kernel turns the float
+tables into uint8 tables plus a per-query affine map (:func:`quantize_tables` is the reference of that
+rule), sums 32 rows at a time with byte shuffles (AVX2; a portable C loop elsewhere gives the same
+integers), keeps ``depth`` approximate candidates per query, re-scores them exactly with the float
+tables and merges them into a :class:`~tqindex.index.TopK` (an empty heap row gets its best k in
+ascending order, so a search of one run needs no heap sort). Work is split over
+``torch.get_num_threads()`` threads (by queries, or by rows for a few queries).
 
 The kernel is built by ``pip install`` when a C compiler is present (``native.py``); :func:`available`
 says whether it loaded, and the index falls back to PyTorch scans otherwise. :func:`reference_scores` is the numpy
@@ -165,7 +165,7 @@ class FastScan:
                 None if heap_rows is None else heap_rows[q0:].data_ptr(), k, hv.data_ptr(), hi.data_ptr(), int(SIMD))
 
         if threads == 1 or m >= threads:  # split the queries, into several jobs per thread when they are many
-            jobs = threads if threads == 1 else max(threads, min(threads * JOBS_PER_THREAD, m // MIN_JOB_QUERIES))
+            jobs = 1 if threads == 1 else max(threads, min(threads * JOBS_PER_THREAD, m // MIN_JOB_QUERIES))
             cuts = np.linspace(0, m, jobs + 1).astype(int).tolist()
             status = native.parallel(call, [(0, n, a, b, rows, top.values, top.labels)
                                             for a, b in zip(cuts[:-1], cuts[1:])], threads)

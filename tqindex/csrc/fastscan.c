@@ -76,6 +76,14 @@ static void rank_desc(const int32_t *keys, int64_t n, int64_t *rank) {
 }
 
 #ifdef TQ_X86
+/* Sum of the eight 32-bit lanes of c. */
+__attribute__((target("avx2"))) static inline int32_t hsum_epi32(__m256i c) {
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
+    return _mm_cvtsi128_si32(h);
+}
+
 /* rank_desc with AVX2: keys before i count when >= keys[i] (> keys[i] - 1), keys after it when larger;
  * it reads keys[n, roundup(n, 8)), which must hold INT32_MIN (no float's key). */
 __attribute__((target("avx2"))) static void rank_desc_avx2(const int32_t *keys, int64_t n, int64_t *rank) {
@@ -88,10 +96,7 @@ __attribute__((target("avx2"))) static void rank_desc_avx2(const int32_t *keys, 
                 before = _mm256_loadu_si256((const __m256i *)(lanes + 8 - (i - i0)));  /* lanes of j < i */
         c = _mm256_sub_epi32(c, _mm256_blendv_epi8(_mm256_cmpgt_epi32(kj, ki), _mm256_cmpgt_epi32(kj, ge), before));
         for (j += 8; j < n; j += 8) c = _mm256_sub_epi32(c, _mm256_cmpgt_epi32(_mm256_loadu_si256((const __m256i *)(keys + j)), ki));
-        __m128i h = _mm_add_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
-        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
-        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
-        rank[i] = _mm_cvtsi128_si32(h);
+        rank[i] = hsum_epi32(c);
     }
 }
 #endif
@@ -130,11 +135,7 @@ __attribute__((target("avx2"))) static int64_t count_at_least_avx2(const int32_t
         c0 = _mm256_add_epi32(c0, _mm256_cmpgt_epi32(_mm256_loadu_si256((const __m256i *)(k + i)), tv));
         c1 = _mm256_add_epi32(c1, _mm256_cmpgt_epi32(_mm256_loadu_si256((const __m256i *)(k + i + 8)), tv));
     }
-    __m256i c = _mm256_add_epi32(c0, c1);
-    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
-    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
-    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
-    return -(int64_t)_mm_cvtsi128_si32(h) + count_at_least(k + i, n - i, t);
+    return -(int64_t)hsum_epi32(_mm256_add_epi32(c0, c1)) + count_at_least(k + i, n - i, t);
 }
 #endif
 
@@ -826,6 +827,7 @@ int tq_fastscan(const uint8_t *codes, int64_t n, int64_t row_bytes, int64_t nbyt
                            (void **)&eid, (void **)&rank, (void **)&qtab, (void **)&buf, (void **)&key};
     if (arena_get(0, 10, sizes, ptrs)) return -1;
     const rows_t codes_ = {codes, n, row_bytes, nbytes, bits};
+    const int simd = allow_simd && cpu_avx2();
     int heaps_only = 0;
     tq_quantize_tables(ftab, nq, 2 * nbytes, qtab, qmul, qadd);
     int status = tq_fastscan_candidates(codes, n, row_bytes, nbytes, bits, scale, sq_table, nq, qtab, qmul, qadd,
@@ -859,14 +861,14 @@ int tq_fastscan(const uint8_t *codes, int64_t n, int64_t row_bytes, int64_t nbyt
         heaps_only |= !empty;
         if (!empty) continue;
         if (cnt > k) {  /* keep the best k (ties in candidate order), then rank only those */
-            reservoir_t best = {ex, eid, cnt, k, -INFINITY, key, allow_simd && cpu_avx2(), 0};
+            reservoir_t best = {ex, eid, cnt, k, -INFINITY, key, simd, 0};
             reservoir_shrink(&best);
             cnt = k;
         }
         for (int64_t j = 0; j < cnt; j++) key[j] = float_key(ex[j]);
         for (int64_t j = cnt; j < cnt + 8; j++) key[j] = INT32_MIN;
 #ifdef TQ_X86
-        if (allow_simd && cpu_avx2()) rank_desc_avx2(key, cnt, rank);
+        if (simd) rank_desc_avx2(key, cnt, rank);
         else
 #endif
             rank_desc(key, cnt, rank);
