@@ -35,8 +35,9 @@ def cpu_model() -> str:
 
 
 def environment(threads: int | None = None) -> dict[str, Any]:
-    """Where and with what a benchmark ran: git SHA (+ whether the tree was dirty and a digest of the
-    tqindex sources), CPU, core count, threads used, load average at start, library versions."""
+    """Where and with what a benchmark ran: git SHA (+ whether the tree differed from it outside the
+    result files, and a digest of the tqindex Python and C sources), CPU, core count, threads used,
+    load average at start, library versions."""
     versions = {}
     for name in PACKAGES:
         try:
@@ -44,12 +45,13 @@ def environment(threads: int | None = None) -> dict[str, Any]:
         except metadata.PackageNotFoundError:
             versions[name] = None
     digest = hashlib.sha256()
-    for path in sorted((ROOT / "tqindex").rglob("*.py")):
+    for path in sorted(p for p in (ROOT / "tqindex").rglob("*") if p.suffix in (".py", ".c")):
         digest.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes())
     env: dict[str, Any] = {
         "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "git_sha": _git("rev-parse", "HEAD") or "unknown",
-        "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no", "--", ".",
+                               ":(exclude)benchmarks/results")),
         "tqindex_sources_sha256": digest.hexdigest(),
         "python": platform.python_version(),
         "platform": platform.platform(),
