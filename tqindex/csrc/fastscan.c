@@ -23,6 +23,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
 #define TQ_X86 1
@@ -39,9 +40,18 @@ static int cpu_avx2(void) {
 }
 
 #define BLOCK 32          /* rows looked up together */
-#define GROUP 8           /* blocks transposed together (256 rows) */
+#define GROUP 8           /* most blocks transposed together (256 rows) */
 #define TABLE_MAX 127     /* largest quantized table entry: a byte's two lookups add in 8 bits */
 #define CHUNK 256         /* byte positions summed in 16-bit lanes before widening to 32 bits */
+
+/* The L1 data (level 1) or L2 (level 2) cache size in bytes, where the C library knows it (else common sizes). */
+static int64_t cache_bytes(int level) {
+    long v = 0;
+#if defined(_SC_LEVEL1_DCACHE_SIZE) && defined(_SC_LEVEL2_CACHE_SIZE)
+    v = sysconf(level == 1 ? _SC_LEVEL1_DCACHE_SIZE : _SC_LEVEL2_CACHE_SIZE);
+#endif
+    return v > 0 ? v : level == 1 ? 32 << 10 : 512 << 10;
+}
 
 /* Row order of the 32 sums a block produces: even rows 0..14, 16..30, then odd rows 1..15, 17..31. */
 static const uint8_t PERM[BLOCK] = {0, 2,  4,  6,  8,  10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
@@ -650,12 +660,13 @@ typedef struct {
     const float *qmul, *qadd, *qoffset;
     scan_fn scan;
     int simd;
-    uint8_t *tb;            /* [GROUP][nbytes][2][BLOCK] */
+    int64_t group;          /* blocks transposed together, at most GROUP */
+    uint8_t *tb;            /* [group][nbytes][2][BLOCK] */
     uint8_t *xb;            /* [block_scratch(nbytes)] for 3-bit rows */
     uint8_t *row;           /* [nbytes] one expanded 3-bit row */
 } scan_t;
 
-/* Scores the blocks first, first + stride, ... of 32 rows for queries qidx[0, m) into res[0, m), GROUP
+/* Scores the blocks first, first + stride, ... of 32 rows for queries qidx[0, m) into res[0, m), c->group
  * blocks at a time (transposed once, then scanned by every query while they are in the L1 cache). */
 static void scan_blocks(const scan_t *c, int64_t first, int64_t stride, const int64_t *qidx, reservoir_t *res,
                         int64_t m) {
@@ -663,9 +674,9 @@ static void scan_blocks(const scan_t *c, int64_t first, int64_t stride, const in
     float sp[GROUP][BLOCK], bp[GROUP][BLOCK];
     block_t blk[GROUP];
     query_t qg[QGROUP];
-    for (int64_t b0 = first; b0 < nblocks; b0 += GROUP * stride) {
+    for (int64_t b0 = first; b0 < nblocks; b0 += c->group * stride) {
         int nblk = 0;
-        for (; nblk < GROUP && b0 + nblk * stride < nblocks; nblk++) {
+        for (; nblk < c->group && b0 + nblk * stride < nblocks; nblk++) {
             int64_t r0 = (b0 + nblk * stride) * BLOCK;
             int cnt = n - r0 < BLOCK ? (int)(n - r0) : BLOCK;
             uint8_t *tbb = c->tb + nblk * 2 * BLOCK * nbytes;
@@ -701,8 +712,6 @@ static float reservoir_floor(reservoir_t *r) {
     return low;
 }
 
-/* Query tables of at most this many bytes are scanned together, so they stay in the L2 cache. */
-#define TABLE_CHUNK_BYTES (192 << 10)
 /* Threshold estimate: the best score of every `stride`-th block, stride = depth / SAMPLE_HITS; about
  * SAMPLE_HITS of these blocks hold a row of the true top `depth` (at most that many, however the rows
  * cluster). Used when stride >= MIN_SAMPLE_STRIDE. */
@@ -739,7 +748,13 @@ int tq_fastscan_candidates(const uint8_t *codes, int64_t n, int64_t row_bytes, i
         sample_keep = (int64_t)ceil(hits + 4.0 * sqrt(hits) + 4.0);
     }
     const int sample = sample_keep > 0 && nblocks / stride > sample_keep;  /* more sampled blocks than that */
-    int64_t chunk = TABLE_CHUNK_BYTES / tsize;
+    /* Queries whose tables fill 3/4 of the L2 cache are scanned together (each chunk transposes the rows
+     * again); blocks whose transposed codes fill 3/4 of the L1 cache are transposed together. */
+    int64_t table_bytes = cache_bytes(2) / 4 * 3;
+    table_bytes = table_bytes < (96 << 10) ? 96 << 10 : table_bytes > (3 << 19) ? 3 << 19 : table_bytes;
+    int64_t group = cache_bytes(1) / 4 * 3 / (2 * BLOCK * nbytes);
+    group = group < 1 ? 1 : group > GROUP ? GROUP : group;
+    int64_t chunk = table_bytes / tsize;
     chunk = chunk < QGROUP ? QGROUP : chunk;
     chunk = (nq + (nq + chunk - 1) / chunk - 1) / ((nq + chunk - 1) / chunk);  /* equal chunks */
     uint8_t *tb, *xb, *row;
@@ -747,7 +762,7 @@ int tq_fastscan_candidates(const uint8_t *codes, int64_t n, int64_t row_bytes, i
     int64_t *rrow, *qidx, *ridx;
     reservoir_t *res, *redo;
     int32_t *tmp;
-    const size_t sizes[] = {(size_t)(GROUP * 2 * BLOCK * nbytes), (size_t)block_scratch(nbytes), (size_t)nbytes,
+    const size_t sizes[] = {(size_t)(group * 2 * BLOCK * nbytes), (size_t)block_scratch(nbytes), (size_t)nbytes,
                             sizeof(float) * (size_t)(chunk * cap), sizeof(float) * (size_t)chunk,
                             sizeof(int64_t) * (size_t)(chunk * cap), sizeof(int64_t) * (size_t)chunk,
                             sizeof(int64_t) * (size_t)chunk, sizeof(reservoir_t) * (size_t)chunk,
@@ -757,7 +772,7 @@ int tq_fastscan_candidates(const uint8_t *codes, int64_t n, int64_t row_bytes, i
                            (void **)&tmp};
     if (arena_get(1, 11, sizes, ptrs)) return -1;
     const scan_t ctx = {{codes, n, row_bytes, nbytes, bits}, scale, sq_table, qtab, qmul, qadd, qoffset, scan, simd,
-                        tb, xb, row};
+                        group, tb, xb, row};
     for (int64_t c0 = 0; c0 < nq; c0 += chunk) {
         int64_t m = c0 + chunk < nq ? chunk : nq - c0;
         for (int64_t i = 0; i < m; i++) {
