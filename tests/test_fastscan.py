@@ -17,7 +17,7 @@ def setup(bits: int, dim: int, n: int, nq: int, l2: bool, seed: int = 0):
     codes = enc.encode(torch.randn(n, dim, generator=g) * torch.rand(n, 1, generator=g) * 3)
     scan = fs.FastScan(LookupTables(enc))
     qs = enc.prepare_queries(torch.randn(nq, dim, generator=g)) * (2 if l2 else 1)
-    return enc, codes, scan, fs.compiled_quantize_tables(scan.tables(qs)), (scan.sq if l2 else None)
+    return enc, codes, scan, fs.compiled_quantize_tables(scan.lut.nibble_tables(qs)), (scan.sq if l2 else None)
 
 
 def test_quantized_tables_bound_the_error():
@@ -38,6 +38,18 @@ def test_compiled_table_quantization_equals_the_reference(shape):
     t[-1] = 0.5  # a constant query: step 1, all entries 0
     for got, want in zip(fs.compiled_quantize_tables(t), fs.quantize_tables(t)):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name,dim", [("tq1", 70), ("tq2", 33), ("tq3", 50), ("tq4", 50), ("tq4", 7),
+                                      ("tq2-pca", 48), ("tq3-pca", 50), ("tq1-pca", 30)])
+def test_compiled_nibble_tables_equal_the_reference(name, dim):
+    g = torch.Generator().manual_seed(dim)
+    enc = tq.make_encoder(name, dim)
+    if not enc.is_trained:
+        enc.train(torch.randn(500, dim, generator=g) * torch.linspace(0.2, 2, dim))
+    lut = LookupTables(enc)
+    qs = enc.prepare_queries(torch.randn(9, dim, generator=g))
+    torch.testing.assert_close(fs.compiled_nibble_tables(lut, qs), lut.nibble_tables(qs), rtol=1e-5, atol=1e-6)
 
 
 def nibble_rows(codes: tq.Codes, bits: int, dim: int) -> np.ndarray:

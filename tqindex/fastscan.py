@@ -2,8 +2,9 @@
 
 Each 4-bit nibble of a packed code row holds whole codes, so a query's score is ``s · Σ_t T[t][nibble_t]``
 over the row's 2·P nibbles (:meth:`LookupTables.nibble_tables`); rows of 3-bit codes are read as one
-code per nibble (expanded in the kernel; the index keeps 3 bits per code). The kernel turns the float
-tables into uint8 tables plus a per-query affine map (:func:`quantize_tables` is the reference of that
+code per nibble (expanded in the kernel; the index keeps 3 bits per code). The kernel builds these
+float tables from the rotated queries itself (:func:`table_layout` says how; :func:`compiled_nibble_tables`
+runs that step alone), then turns them into uint8 tables plus a per-query affine map (:func:`quantize_tables` is the reference of that
 rule), sums 32 rows at a time with byte shuffles (AVX2; a portable C loop elsewhere gives the same
 integers), keeps ``depth`` approximate candidates per query, re-scores them exactly with the float
 tables and merges them into a :class:`~tqindex.index.TopK` (an empty heap row gets its best k in
@@ -70,6 +71,39 @@ def quantize_tables(tables: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return u8, mul, low.sum((1, 2))
 
 
+SLOTS = 4
+"""Codes one nibble holds at most (1-bit codes)."""
+
+
+def table_layout(lut: LookupTables) -> tuple[Tensor, Tensor, Tensor]:
+    """How the kernel builds ``lut``'s nibble tables from rotated queries q [dim]: (coord int32 [T, SLOTS],
+    bank_of int32 [T], bank float32 [runs, SLOTS, 16]) with ``T[t][v] = Σ_j q[coord[t, j]] ·
+    bank[bank_of[t], j, v]``; ``coord = dim`` stands for no coordinate (a slot past the codes a nibble
+    holds, or past its run's end)."""
+    coord, bank_of, bank = [], [], []
+    for r, (start, n, per_nibble, nbytes, levels) in enumerate(lut.runs):
+        local = torch.arange(2 * nbytes)[:, None] * per_nibble + torch.arange(SLOTS)  # [2 nbytes, SLOTS]
+        used = (torch.arange(SLOTS) < per_nibble) & (local < n)
+        coord.append(torch.where(used, local + start, lut.dim))
+        bank_of.append(torch.full((2 * nbytes,), r))
+        b = torch.zeros(SLOTS, 16)
+        b[:per_nibble] = levels.T.float().cpu()  # levels [16, per_nibble]
+        bank.append(b)
+    return (torch.cat(coord).int().contiguous(), torch.cat(bank_of).int().contiguous(),
+            torch.stack(bank).contiguous())
+
+
+def compiled_nibble_tables(lut: LookupTables, qs: Tensor) -> Tensor:
+    """``lut.nibble_tables(qs)`` ([m, 2P, 16] of rotated queries qs [m, dim]) as the kernel builds them
+    (``tq_nibble_tables``, inside every scan)."""
+    qs = qs.float().contiguous()
+    coord, bank_of, bank = table_layout(lut)
+    out = torch.empty(qs.shape[0], 2 * lut.nbytes, 16)
+    native.require().tq_nibble_tables(qs.data_ptr(), qs.shape[0], lut.dim, coord.data_ptr(), bank_of.data_ptr(),
+                                      bank.data_ptr(), 2 * lut.nbytes, out.data_ptr())
+    return out
+
+
 def compiled_quantize_tables(tables: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`quantize_tables` as the kernel does it (``tq_quantize_tables``, inside every scan)."""
     tables = tables.float().contiguous()
@@ -130,22 +164,19 @@ class FastScan:
         native.require()
         self.lut = lut
         self.sq = lut.nibble_tables(None).contiguous()  # [T, 16] partial sums of c² ("l2" scores)
-        self.table_bytes = self.sq.numel() * 5  # one query's tables (float32 here + uint8 in the kernel)
+        self.layout = table_layout(lut)
+        self.table_bytes = self.sq.numel() * 5  # one query's tables in the kernel (float32 + uint8)
 
-    def tables(self, qs: Tensor) -> Tensor:
-        """Float nibble tables [m, 2P, 16] of rotated queries qs [m, dim] (already doubled for "l2");
-        the kernel quantizes them itself."""
-        return self.lut.nibble_tables(qs.float()).contiguous()
-
-    def run(self, tables: Tensor, codes: Codes, labels: Tensor | int, top: "TopK", rows: Tensor | None, l2: bool,
+    def run(self, qs: Tensor, codes: Codes, labels: Tensor | int, top: "TopK", rows: Tensor | None, l2: bool,
             offset: Tensor | None = None) -> None:
-        """Merge the exact top-k of codes [n] into ``top`` (a TopK [*, k]). Row i is labelled
-        ``labels[i]`` (int64 tensor) or ``labels + i`` (int); table row j merges into heap row ``rows[j]``
-        (j when None), its scores plus ``offset[j]``."""
-        n, m = len(codes), tables.shape[0]
+        """Merge the exact top-k of codes [n] for rotated queries qs [m, dim] (already doubled for "l2")
+        into ``top`` (a TopK [*, k]). Row i is labelled ``labels[i]`` (int64 tensor) or ``labels + i``
+        (int); query j merges into heap row ``rows[j]`` (j when None), its scores plus ``offset[j]``."""
+        n, m = len(codes), qs.shape[0]
         if n == 0 or m == 0:
             return
         lib = native.require()
+        qs, (coord, bank_of, bank) = qs.float().contiguous(), self.layout
         qdata, scale = codes.qdata.contiguous(), codes.norm.float().contiguous()
         base, labels = (labels, None) if isinstance(labels, int) else (0, labels.contiguous())
         rows = None if rows is None else rows.contiguous()
@@ -154,13 +185,14 @@ class FastScan:
         depth, k, sq = candidate_depth(top.k), top.k, self.sq if l2 else None
 
         def call(r0: int, r1: int, q0: int, q1: int, heap_rows: Tensor | None, val: Tensor, ids: Tensor) -> int:
-            """Rows [r0, r1) against table rows [q0, q1), merged into heap rows heap_rows[q0:q1] (val/ids
+            """Rows [r0, r1) against queries [q0, q1), merged into heap rows heap_rows[q0:q1] (val/ids
             rows q0.. when None)."""
             hv, hi = (val, ids) if heap_rows is not None else (val[q0:], ids[q0:])
             return lib.tq_fastscan(
                 qdata[r0:].data_ptr(), r1 - r0, qdata.shape[1], self.lut.nbytes, self.lut.code_bits,
                 scale[r0:].data_ptr(), _ptr(sq),
-                None if labels is None else labels[r0:].data_ptr(), base + r0, q1 - q0, tables[q0:].data_ptr(),
+                None if labels is None else labels[r0:].data_ptr(), base + r0, q1 - q0, qs[q0:].data_ptr(),
+                self.lut.dim, coord.data_ptr(), bank_of.data_ptr(), bank.data_ptr(),
                 None if offset is None else offset[q0:].data_ptr(), depth,
                 None if heap_rows is None else heap_rows[q0:].data_ptr(), k, hv.data_ptr(), hi.data_ptr(), int(SIMD))
 

@@ -194,7 +194,6 @@ class BlockScan:
     fast: FastScan | None = None  # the compiled scan, where it serves the encoder
 
     def __post_init__(self) -> None:
-        self._fast_tables = None if self.fast is None else self.fast.tables(self.qs)
         lut_all = self.lut is not None and self.few and self.fast is None
         self._all_tables = self.lut.tables(self.qs, self.l2) if lut_all else None  # serve every run of few queries
 
@@ -220,12 +219,10 @@ class BlockScan:
             qs = qs - shift
         m, n = qs.shape[0], len(codes) if select is None else len(select)
         if self.fast is not None:
-            tables = self.fast.tables(qs) if shift is not None else (
-                self._fast_tables if rows is None else self._fast_tables.index_select(0, rows))
             if select is not None:
                 codes = codes[select]
             labels = label_base if select is None else select + label_base
-            self.fast.run(tables, codes, labels, self.top, rows, self.l2, offset)
+            self.fast.run(qs, codes, labels, self.top, rows, self.l2, offset)
             if self.bar is not None:
                 self.bar.update(m * n)
             return
@@ -477,18 +474,22 @@ class BaseIndex(ABC):
         """Every stored id, list after list: int64 [ntotal]."""
         return self._id_table()[0][:-1]
 
-    def _id_table(self) -> tuple[Tensor, Tensor]:
-        """(all ids list after list and then a -1, int64 [ntotal + 1]; start of each list int64 [nlists]),
-        rebuilt when the lists change (add and remove replace ``_lists``)."""
+    def _id_table(self) -> tuple[Tensor, Tensor, bool]:
+        """(all ids list after list and then a -1, int64 [ntotal + 1]; start of each list int64 [nlists];
+        whether one list holds ids 0, 1, ..., so that a row is its id), rebuilt when the lists change
+        (add and remove replace ``_lists``)."""
         if self._id_cache[0] is not self._lists:
             sizes = torch.tensor([c.size for c in self._lists])
             ids = torch.cat([c.live_ids for c in self._lists] + [torch.full((1,), -1)])
-            self._id_cache = (self._lists, ids, sizes.cumsum(0) - sizes)
-        return self._id_cache[1], self._id_cache[2]
+            rows_are_ids = len(self._lists) == 1 and torch.equal(ids[:-1], torch.arange(len(ids) - 1))
+            self._id_cache = (self._lists, ids, sizes.cumsum(0) - sizes, rows_are_ids)
+        return self._id_cache[1:]
 
     def _ids_of(self, labels: Tensor) -> Tensor:
         """Ids of labels (any shape; -1 stays -1)."""
-        ids, starts = self._id_table()
+        ids, starts, rows_are_ids = self._id_table()
+        if rows_are_ids:
+            return labels
         if len(starts) == 1:  # labels are rows; -1 picks the trailing -1
             return torch.take(ids, labels)
         pos = starts[labels >> LIST_SHIFT] + (labels & ((1 << LIST_SHIFT) - 1))

@@ -412,6 +412,25 @@ int tq_fastscan_simd(void) { return pick_scan(1) != scan_block_generic; }
 
 /* ------------------------------------------------------------------------------------- tables */
 
+#define SLOTS 4           /* codes per nibble at most (1-bit codes) */
+
+/* Float nibble tables out [m, T, 16] of rotated queries qs [m, dim]: entry [i, t, v] is
+ * sum_j qs[i, coord[t, j]] * bank[bank_of[t], j, v] over the SLOTS code slots j of nibble t, where
+ * coord[t, j] = dim stands for no coordinate (weight 0); the rule of LookupTables.nibble_tables, its
+ * reference (coord int32 [T, SLOTS], bank_of int32 [T], bank float [*, SLOTS, 16]: fastscan.table_layout). */
+void tq_nibble_tables(const float *qs, int64_t m, int64_t dim, const int32_t *coord, const int32_t *bank_of,
+                      const float *bank, int64_t T, float *out) {
+    for (int64_t i = 0; i < m; i++) {
+        const float *q = qs + i * dim;
+        for (int64_t t = 0; t < T; t++) {
+            const float *b = bank + (int64_t)bank_of[t] * SLOTS * 16;
+            float w[SLOTS], *o = out + (i * T + t) * 16;
+            for (int j = 0; j < SLOTS; j++) w[j] = coord[SLOTS * t + j] < dim ? q[coord[SLOTS * t + j]] : 0.f;
+            for (int v = 0; v < 16; v++) o[v] = w[0] * b[v] + w[1] * b[16 + v] + w[2] * b[32 + v] + w[3] * b[48 + v];
+        }
+    }
+}
+
 /* Quantizes float tables [m, T, 16] to uint8 [m, T, 16] in [0, 127] with, per query i,
  * sum_t tables[i, t, v_t] ~= mul[i] * sum_t u8[i, t, v_t] + add[i]: each table is shifted to start at
  * 0 (the shifts sum to add[i]) and all of a query's tables share one step mul[i] (the rule of
@@ -817,33 +836,37 @@ int tq_fastscan_candidates(const uint8_t *codes, int64_t n, int64_t row_bytes, i
 #define PREFETCH 8
 
 /* Scans code rows [0, n) for nq queries (see the file comment): the float tables ftab [nq, 2 nbytes, 16]
- * are quantized (tq_quantize_tables), approximate candidates found (tq_fastscan_candidates, which says
+ * of the rotated queries qs [nq, dim] are built (tq_nibble_tables, with the layout coord, bank_of, bank)
+ * and quantized (tq_quantize_tables), approximate candidates found (tq_fastscan_candidates, which says
  * how rows are read), re-scored exactly with ftab and merged into heap row rows[i] (i when rows is NULL)
  * of heap_val / heap_ids [*, k], labelled labels[row] (label_base + row when labels is NULL). A heap
  * row that held nothing (all -inf) receives its best k in ascending order, itself a valid min-heap.
  * Returns 0 when every heap row it touched is in ascending order, 1 when some are only heaps, -1 when
  * out of memory. */
 int tq_fastscan(const uint8_t *codes, int64_t n, int64_t row_bytes, int64_t nbytes, int bits, const float *scale,
-                const float *sq_table, const int64_t *labels, int64_t label_base, int64_t nq, const float *ftab,
+                const float *sq_table, const int64_t *labels, int64_t label_base, int64_t nq, const float *qs,
+                int64_t dim, const int32_t *coord, const int32_t *bank_of, const float *bank,
                 const float *qoffset, int64_t depth, const int64_t *rows, int64_t k, float *heap_val, int64_t *heap_ids,
                 int allow_simd) {
     if (n <= 0 || nq <= 0) return 0;
     if (depth > n) depth = n;
-    float *cval, *qmul, *qadd, *ex;
+    float *ftab, *cval, *qmul, *qadd, *ex;
     int64_t *crow, *eid, *rank;
     uint8_t *qtab, *buf;
     int32_t *key;
-    const size_t sizes[] = {sizeof(float) * (size_t)(nq * depth), sizeof(float) * (size_t)nq,
-                            sizeof(float) * (size_t)nq, sizeof(float) * (size_t)depth,
+    const size_t sizes[] = {sizeof(float) * (size_t)(nq * 2 * nbytes * 16), sizeof(float) * (size_t)(nq * depth),
+                            sizeof(float) * (size_t)nq, sizeof(float) * (size_t)nq, sizeof(float) * (size_t)depth,
                             sizeof(int64_t) * (size_t)(nq * depth), sizeof(int64_t) * (size_t)depth,
                             sizeof(int64_t) * (size_t)depth, (size_t)(nq * 2 * nbytes * 16), (size_t)nbytes,
                             sizeof(int32_t) * (size_t)(depth + 8)};
-    void **const ptrs[] = {(void **)&cval, (void **)&qmul, (void **)&qadd, (void **)&ex, (void **)&crow,
-                           (void **)&eid, (void **)&rank, (void **)&qtab, (void **)&buf, (void **)&key};
-    if (arena_get(0, 10, sizes, ptrs)) return -1;
+    void **const ptrs[] = {(void **)&ftab, (void **)&cval, (void **)&qmul, (void **)&qadd, (void **)&ex,
+                           (void **)&crow, (void **)&eid, (void **)&rank, (void **)&qtab, (void **)&buf,
+                           (void **)&key};
+    if (arena_get(0, 11, sizes, ptrs)) return -1;
     const rows_t codes_ = {codes, n, row_bytes, nbytes, bits};
     const int simd = allow_simd && cpu_avx2();
     int heaps_only = 0;
+    tq_nibble_tables(qs, nq, dim, coord, bank_of, bank, 2 * nbytes, ftab);
     tq_quantize_tables(ftab, nq, 2 * nbytes, qtab, qmul, qadd);
     int status = tq_fastscan_candidates(codes, n, row_bytes, nbytes, bits, scale, sq_table, nq, qtab, qmul, qadd,
                                         qoffset, depth, cval, crow, allow_simd);
