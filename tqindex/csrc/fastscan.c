@@ -424,9 +424,14 @@ void tq_nibble_tables(const float *qs, int64_t m, int64_t dim, const int32_t *co
         const float *q = qs + i * dim;
         for (int64_t t = 0; t < T; t++) {
             const float *b = bank + (int64_t)bank_of[t] * SLOTS * 16;
-            float w[SLOTS], *o = out + (i * T + t) * 16;
-            for (int j = 0; j < SLOTS; j++) w[j] = coord[SLOTS * t + j] < dim ? q[coord[SLOTS * t + j]] : 0.f;
-            for (int v = 0; v < 16; v++) o[v] = w[0] * b[v] + w[1] * b[16 + v] + w[2] * b[32 + v] + w[3] * b[48 + v];
+            float *o = out + (i * T + t) * 16;
+            for (int v = 0; v < 16; v++) o[v] = 0.f;
+            for (int j = 0; j < SLOTS; j++) {
+                int32_t c = coord[SLOTS * t + j];
+                if (c >= dim) continue;  /* an unused slot */
+                float w = q[c];
+                for (int v = 0; v < 16; v++) o[v] += w * b[16 * j + v];
+            }
         }
     }
 }
