@@ -3,13 +3,14 @@
 Each 4-bit nibble of a packed code row holds whole codes, so a query's score is ``s · Σ_t T[t][nibble_t]``
 over the row's 2·P nibbles (:meth:`LookupTables.nibble_tables`); rows of 3-bit codes are read as one
 code per nibble (expanded in the kernel; the index keeps 3 bits per code). The kernel builds these
-float tables from the rotated queries itself (:func:`table_layout` says how; :func:`compiled_nibble_tables`
-runs that step alone), then turns them into uint8 tables plus a per-query affine map (:func:`quantize_tables` is the reference of that
-rule), sums 32 rows at a time with byte shuffles (AVX2; a portable C loop elsewhere gives the same
-integers), keeps ``depth`` approximate candidates per query, re-scores them exactly with the float
-tables and merges them into a :class:`~tqindex.index.TopK` (an empty heap row gets its best k in
-ascending order, so a search of one run needs no heap sort). Work is split over
-``torch.get_num_threads()`` threads (by queries, or by rows for a few queries).
+float tables from the rotated queries itself (:func:`table_layout` says how;
+:func:`compiled_nibble_tables` runs that step alone), turns them into uint8 tables plus a per-query
+affine map (:func:`quantize_tables` is the reference of that rule), sums 32 rows at a time with byte
+shuffles (AVX2; a portable C loop elsewhere gives the same integers), keeps ``depth`` approximate
+candidates per query, re-scores them exactly with the float tables and merges them into a
+:class:`~tqindex.index.TopK` (an empty heap row gets its best k in ascending order, so a search of one
+run needs no heap sort). Work is split over ``torch.get_num_threads()`` threads (by queries, or by rows
+for a few queries).
 
 The kernel is built by ``pip install`` when a C compiler is present (``native.py``); :func:`available`
 says whether it loaded, and the index falls back to PyTorch scans otherwise. :func:`reference_scores` is the numpy
