@@ -54,6 +54,8 @@ JOBS_PER_THREAD = 4
 """Queries are split into up to this many jobs per thread (of at least MIN_JOB_QUERIES), which the
 threads take in turn: a thread slowed by other work takes fewer."""
 MIN_JOB_QUERIES = 64
+LIST_ROW_BITS = 32
+"""A list scanned by :meth:`FastScan.run_lists` holds fewer than 2**LIST_ROW_BITS rows."""
 SIMD = True
 """Let searches use the kernel's AVX2 paths where the CPU has them (False: the portable loops)."""
 TABLE_MAX = 127
@@ -211,3 +213,52 @@ class FastScan:
         merge_rows = torch.arange(m) if rows is None else rows
         for v, i in parts:
             top.merge(v, i, merge_rows)
+
+    def run_lists(self, qs: Tensor, lists: "CodeLists", start: Tensor, queries: Tensor, top: "TopK",
+                  l2: bool) -> None:
+        """Merge the exact top-k of several code lists (IVF) for rotated queries qs [m, dim] (already
+        doubled for "l2") into ``top`` (a TopK [m, k], query j into heap row j). List l is probed by the
+        queries ``queries[start[l]:start[l + 1]]`` (int64, ascending). Each query's candidates from all
+        its lists are re-scored once."""
+        m = qs.shape[0]
+        if m == 0 or not lists.total:
+            return
+        lib = native.require()
+        qs, (coord, bank_of, bank) = qs.float().contiguous(), self.layout
+        start, queries = start.contiguous(), queries.contiguous()
+        work = int((lists.sizes * (start[1:] - start[:-1])).sum())
+        threads = max(1, min(torch.get_num_threads(), math.ceil(work / MIN_THREAD_SCORES), m))
+        depth, k, sq = candidate_depth(top.k), top.k, self.sq if l2 else None
+
+        def call(q0: int, q1: int) -> int:
+            """Queries [q0, q1) against every list they probe."""
+            return lib.tq_fastscan_lists(
+                len(lists.sizes), lists.codes_p.data_ptr(), lists.sizes.data_ptr(), lists.scale_p.data_ptr(),
+                lists.labels_p.data_ptr(), lists.base.data_ptr(), start.data_ptr(), queries.data_ptr(),
+                lists.row_bytes, self.lut.nbytes, self.lut.code_bits, _ptr(sq), q0, q1 - q0, qs.data_ptr(),
+                self.lut.dim, coord.data_ptr(), bank_of.data_ptr(), bank.data_ptr(), depth, k,
+                top.values.data_ptr(), top.labels.data_ptr(), int(SIMD))
+
+        jobs = 1 if threads == 1 else max(threads, min(threads * JOBS_PER_THREAD, m // MIN_JOB_QUERIES))
+        cuts = np.linspace(0, m, jobs + 1).astype(int).tolist()
+        status = native.parallel(call, list(zip(cuts[:-1], cuts[1:])), threads)
+        top.ascending &= not any(status)
+
+
+class CodeLists:
+    """Code lists as :meth:`FastScan.run_lists` reads them: each list's (codes [n_l] or None for an
+    empty list, labels: int64 tensor [n_l] or the int label of row 0, then one per row)."""
+
+    def __init__(self, lists: list[tuple[Codes | None, Tensor | int]]) -> None:
+        sizes = [0 if c is None else len(c) for c, _ in lists]
+        if max(sizes, default=0) >> LIST_ROW_BITS:
+            raise ValueError(f"a list holds {max(sizes)} rows, more than the scan's 2**{LIST_ROW_BITS}")
+        self._qdata = [None if c is None else c.qdata.contiguous() for c, _ in lists]  # kept alive
+        self._scale = [None if c is None else c.norm.float().contiguous() for c, _ in lists]
+        self._labels = [None if isinstance(lab, int) else lab.contiguous() for _, lab in lists]
+        ptrs = lambda ts: torch.tensor([0 if t is None else t.data_ptr() for t in ts], dtype=torch.int64)  # noqa: E731
+        self.codes_p, self.scale_p, self.labels_p = ptrs(self._qdata), ptrs(self._scale), ptrs(self._labels)
+        self.sizes = torch.tensor(sizes, dtype=torch.int64)
+        self.base = torch.tensor([lab if isinstance(lab, int) else 0 for _, lab in lists], dtype=torch.int64)
+        self.total = sum(sizes)
+        self.row_bytes = next((q.shape[1] for q in self._qdata if q is not None), 0)

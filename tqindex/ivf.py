@@ -20,10 +20,12 @@ from typing import Any
 import faiss
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .codes import Codes
 from .encoder import Encoder
+from .fastscan import CodeLists
 from .index import DECODE_ELEMENTS, LIST_SHIFT, TILE_BYTES, BaseIndex, BlockScan, check_int
 from .io import register_index_type
 
@@ -54,6 +56,7 @@ class IVFIndex(BaseIndex):
         self.nlist, self.by_residual = nlist, by_residual
         self.seed, self.niter = check_int(seed, "seed", 0), check_int(niter, "niter", 1)
         self.nprobe = nprobe
+        self._code_lists_cache: tuple = (None,)
         self.centroids: Tensor | None = None  # [nlist, dim] float32
         self._centroids_rot: Tensor | None = None  # R c, [nlist, dim]
         self._centroid_norms2: Tensor | None = None  # ||c||², [nlist]
@@ -140,12 +143,29 @@ class IVFIndex(BaseIndex):
         if not self.is_trained:
             return
         coarse, lists = self._coarse(q, nprobe)  # [m, nprobe]
-        if scan.few and not (self.by_residual and scan.l2):
+        compiled = scan.fast is not None and not self.by_residual  # one set of tables per query serves all lists
+        if scan.few and not compiled and not (self.by_residual and scan.l2):
             self._scan_together(scan, coarse, lists, allowed)
             return
         order = torch.argsort(lists.reshape(-1), stable=True)  # (query, list) pairs grouped by list
         nos, counts = torch.unique_consecutive(lists.reshape(-1)[order], return_counts=True)
-        rows, split = order // nprobe, counts.tolist()
+        rows, split = order // nprobe, counts.tolist()  # the queries of each list, ascending
+        if compiled:
+            if allowed is None:  # every list, each probed by its queries (none for most)
+                code_lists = self._code_lists()
+                start = F.pad(torch.bincount(lists.reshape(-1), minlength=self.nlist), (1, 0))
+            else:  # the probed lists, their rows in ``allowed``
+                runs = []
+                for no in nos.tolist():
+                    lst, base = self._lists[no], no << LIST_SHIFT
+                    select = _selected(lst.live_ids, allowed) if lst.size else None
+                    runs.append((None, base) if not lst.size else (lst.live_codes[select], select + base))
+                code_lists, start = CodeLists(runs), F.pad(counts, (1, 0))
+            start = start.cumsum(0)
+            scan.fast.run_lists(scan.qs, code_lists, start, rows, scan.top, scan.l2)
+            if scan.bar is not None:
+                scan.bar.update(int((code_lists.sizes * (start[1:] - start[:-1])).sum()))
+            return
         offsets = repeat(None)
         if self.by_residual:  # <q, x̂> = <q, c> + <q, r̂>;  "l2": ||q||² - ||q - x̂||² = ||q||² - ||q - c||² + ...
             coarse = coarse.reshape(-1)[order]  # <q, c>, or ||q - c||² for "l2"
@@ -153,9 +173,17 @@ class IVFIndex(BaseIndex):
         for no, list_rows, offset in zip(nos.tolist(), rows.split(split), offsets):
             lst = self._lists[no]
             if lst.size:
-                select = None if allowed is None else torch.nonzero(torch.isin(lst.live_ids, allowed)).squeeze(1)
+                select = _selected(lst.live_ids, allowed)
                 shift = 2 * self._centroids_rot[no] if self.by_residual and scan.l2 else None  # ... + 2<q - c, r̂> - ||r̂||²
                 scan.run(lst.live_codes, no << LIST_SHIFT, select, list_rows, offset, shift)
+
+    def _code_lists(self) -> CodeLists:
+        """Every list as the compiled scan reads it, rebuilt when the lists change (add and remove
+        replace ``_lists``)."""
+        if self._code_lists_cache[0] is not self._lists:
+            runs = [(lst.live_codes if lst.size else None, no << LIST_SHIFT) for no, lst in enumerate(self._lists)]
+            self._code_lists_cache = (self._lists, CodeLists(runs))
+        return self._code_lists_cache[1]
 
     def _scan_together(self, scan: BlockScan, coarse: Tensor, lists: Tensor, allowed: Tensor | None) -> None:
         """Few queries: the probed lists are scanned together, DECODE_ELEMENTS coordinates at a time, for
@@ -225,6 +253,11 @@ class IVFIndex(BaseIndex):
             raise ValueError("an untrained IVF index cannot hold vectors")
         index._restore(header, arrays, offsets.tolist())
         return index
+
+
+def _selected(ids: Tensor, allowed: Tensor | None) -> Tensor | None:
+    """Rows of ids [n] that are in ``allowed`` (sorted int64), or None (all) when allowed is None."""
+    return None if allowed is None else torch.nonzero(torch.isin(ids, allowed)).squeeze(1)
 
 
 register_index_type(IVFIndex.index_type, IVFIndex._from_file)

@@ -19,6 +19,8 @@ _C = ctypes.c_int
 _SIGNATURES = {
     "tq_fastscan": (_C, [_P, _I, _I, _I, _C, _P, _P, _P, _I, _I, _P, _I, _P, _P, _P, _P, _I, _P, _I, _P, _P, _C]),
     "tq_fastscan_candidates": (_C, [_P, _I, _I, _I, _C, _P, _P, _I, _P, _P, _P, _P, _I, _P, _P, _C]),
+    "tq_fastscan_lists": (_C, [_I, _P, _P, _P, _P, _P, _P, _P, _I, _I, _C, _P, _I, _I, _P, _I, _P, _P, _P, _I, _I, _P,
+                               _P, _C]),
     "tq_fastscan_simd": (_C, []),
     "tq_nibble_tables": (None, [_P, _I, _I, _P, _P, _P, _I, _P]),
     "tq_quantize_tables": (None, [_P, _I, _I, _P, _P, _P]),

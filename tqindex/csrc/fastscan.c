@@ -685,13 +685,15 @@ typedef struct {
     scan_fn scan;
     int simd;
     int64_t group;          /* blocks transposed together, at most GROUP */
+    int64_t row_tag;        /* added to the row numbers entering the reservoirs */
     uint8_t *tb;            /* [group][nbytes][2][BLOCK] */
     uint8_t *xb;            /* [block_scratch(nbytes)] for 3-bit rows */
     uint8_t *row;           /* [nbytes] one expanded 3-bit row */
 } scan_t;
 
-/* Scores the blocks first, first + stride, ... of 32 rows for queries qidx[0, m) into res[0, m), c->group
- * blocks at a time (transposed once, then scanned by every query while they are in the L1 cache). */
+/* Scores the blocks first, first + stride, ... of 32 rows for the queries qidx[0, m) (tables and
+ * reservoirs res[qidx[i]]), c->group blocks at a time (transposed once, then scanned by every query while
+ * they are in the L1 cache). */
 static void scan_blocks(const scan_t *c, int64_t first, int64_t stride, const int64_t *qidx, reservoir_t *res,
                         int64_t m) {
     const int64_t n = c->rows.n, nbytes = c->rows.nbytes, nblocks = (n + BLOCK - 1) / BLOCK, tsize = 2 * nbytes * 16;
@@ -713,14 +715,14 @@ static void scan_blocks(const scan_t *c, int64_t first, int64_t stride, const in
                               : c->sq_table ? -s * s * row_dot(nibble_row(&c->rows, r0 + v, c->row), c->sq_table, nbytes)
                                             : 0.f;
             }
-            blk[nblk] = (block_t){tbb, sp[nblk], bp[nblk], r0};
+            blk[nblk] = (block_t){tbb, sp[nblk], bp[nblk], c->row_tag + r0};
         }
         for (int64_t i0 = 0; i0 < m; i0 += QGROUP) {
             int nqb = m - i0 < QGROUP ? (int)(m - i0) : QGROUP;
             for (int j = 0; j < nqb; j++) {
                 int64_t q = qidx[i0 + j];
                 qg[j] = (query_t){c->qtab + q * tsize, c->qmul[q], c->qadd[q], c->qoffset ? c->qoffset[q] : 0.f,
-                                  res + i0 + j};
+                                  res + q};
             }
             for (int b = 0; b < nblk; b++) c->scan(blk + b, qg, nqb, nbytes);
         }
@@ -734,6 +736,12 @@ static float reservoir_floor(reservoir_t *r) {
     float low = r->val[0];
     for (int64_t i = 1; i < r->n; i++) low = r->val[i] < low ? r->val[i] : low;
     return low;
+}
+
+/* Blocks transposed together: as many as fill 3/4 of the L1 cache, 1 to GROUP. */
+static int64_t blocks_per_group(int64_t nbytes) {
+    int64_t group = cache_bytes(1) / 4 * 3 / (2 * BLOCK * nbytes);
+    return group < 1 ? 1 : group > GROUP ? GROUP : group;
 }
 
 /* Threshold estimate: the best score of every `stride`-th block, stride = depth / SAMPLE_HITS; about
@@ -773,34 +781,33 @@ int tq_fastscan_candidates(const uint8_t *codes, int64_t n, int64_t row_bytes, i
     }
     const int sample = sample_keep > 0 && nblocks / stride > sample_keep;  /* more sampled blocks than that */
     /* Queries whose tables fill 3/4 of the L2 cache are scanned together (each chunk transposes the rows
-     * again); blocks whose transposed codes fill 3/4 of the L1 cache are transposed together. */
+     * again). */
     int64_t table_bytes = cache_bytes(2) / 4 * 3;
     table_bytes = table_bytes < (96 << 10) ? 96 << 10 : table_bytes > (3 << 19) ? 3 << 19 : table_bytes;
-    int64_t group = cache_bytes(1) / 4 * 3 / (2 * BLOCK * nbytes);
-    group = group < 1 ? 1 : group > GROUP ? GROUP : group;
+    const int64_t group = blocks_per_group(nbytes);
     int64_t chunk = table_bytes / tsize;
     chunk = chunk < QGROUP ? QGROUP : chunk;
     chunk = (nq + (nq + chunk - 1) / chunk - 1) / ((nq + chunk - 1) / chunk);  /* equal chunks */
     uint8_t *tb, *xb, *row;
     float *rval, *floor_;
     int64_t *rrow, *qidx, *ridx;
-    reservoir_t *res, *redo;
+    reservoir_t *res;
     int32_t *tmp;
     const size_t sizes[] = {(size_t)(group * 2 * BLOCK * nbytes), (size_t)block_scratch(nbytes), (size_t)nbytes,
                             sizeof(float) * (size_t)(chunk * cap), sizeof(float) * (size_t)chunk,
                             sizeof(int64_t) * (size_t)(chunk * cap), sizeof(int64_t) * (size_t)chunk,
                             sizeof(int64_t) * (size_t)chunk, sizeof(reservoir_t) * (size_t)chunk,
-                            sizeof(reservoir_t) * (size_t)chunk, sizeof(int32_t) * (size_t)cap};
+                            sizeof(int32_t) * (size_t)cap};
     void **const ptrs[] = {(void **)&tb, (void **)&xb, (void **)&row, (void **)&rval, (void **)&floor_,
-                           (void **)&rrow, (void **)&qidx, (void **)&ridx, (void **)&res, (void **)&redo,
-                           (void **)&tmp};
-    if (arena_get(1, 11, sizes, ptrs)) return -1;
-    const scan_t ctx = {{codes, n, row_bytes, nbytes, bits}, scale, sq_table, qtab, qmul, qadd, qoffset, scan, simd,
-                        group, tb, xb, row};
+                           (void **)&rrow, (void **)&qidx, (void **)&ridx, (void **)&res, (void **)&tmp};
+    if (arena_get(1, 10, sizes, ptrs)) return -1;
     for (int64_t c0 = 0; c0 < nq; c0 += chunk) {
         int64_t m = c0 + chunk < nq ? chunk : nq - c0;
+        /* this chunk's queries c0.. are its tables and reservoirs 0.. */
+        const scan_t ctx = {{codes, n, row_bytes, nbytes, bits}, scale, sq_table, qtab + c0 * tsize, qmul + c0,
+                            qadd + c0, qoffset ? qoffset + c0 : NULL, scan, simd, group, 0, tb, xb, row};
         for (int64_t i = 0; i < m; i++) {
-            qidx[i] = c0 + i;
+            qidx[i] = i;
             floor_[i] = -INFINITY;
         }
         if (sample) {  /* the sample's top sample_keep, in the same buffers */
@@ -812,17 +819,13 @@ int tq_fastscan_candidates(const uint8_t *codes, int64_t n, int64_t row_bytes, i
         for (int64_t i = 0; i < m; i++)
             res[i] = (reservoir_t){rval + i * cap, rrow + i * cap, 0, depth, floor_[i], tmp, simd, 0};
         scan_blocks(&ctx, 0, 1, qidx, res, m);
-        int64_t nredo = 0;  /* queries whose estimate was too high */
+        int64_t nredo = 0;  /* queries whose estimate was too high: scanned again from scratch */
         for (int64_t i = 0; i < m; i++)
             if (res[i].n < depth && floor_[i] > -INFINITY) {
-                ridx[nredo] = qidx[i];
-                redo[nredo++] = (reservoir_t){res[i].val, res[i].row, 0, depth, -INFINITY, tmp, simd, 0};
+                ridx[nredo++] = i;
+                res[i] = (reservoir_t){res[i].val, res[i].row, 0, depth, -INFINITY, tmp, simd, 0};
             }
-        if (nredo) {
-            scan_blocks(&ctx, 0, 1, ridx, redo, nredo);
-            for (int64_t i = 0, j = 0; i < m && j < nredo; i++)
-                if (qidx[i] == ridx[j]) res[i] = redo[j++];
-        }
+        if (nredo) scan_blocks(&ctx, 0, 1, ridx, res, nredo);
         for (int64_t i = 0; i < m; i++) {
             reservoir_t *r = res + i;
             if (r->n > depth) reservoir_shrink(r);
@@ -839,6 +842,70 @@ int tq_fastscan_candidates(const uint8_t *codes, int64_t n, int64_t row_bytes, i
 #define RANK_MAX_DEPTH 256
 /* Re-scoring fetches the code row and scale of the candidate this many places ahead. */
 #define PREFETCH 8
+/* A candidate row is (list << LIST_BITS) | row of that list. */
+#define LIST_BITS 32
+
+/* Where candidates come from: code rows of nl lists (one for a flat scan), list l labelled labels[l][row]
+ * (label_base[l] + row where labels[l] is NULL). */
+typedef struct {
+    const rows_t *rows;            /* [nl] */
+    const float *const *scale;     /* [nl] -> [n] */
+    const int64_t *const *labels;  /* [nl] -> [n] or NULL */
+    const int64_t *label_base;     /* [nl] */
+} source_t;
+
+/* Scratch of merge_query: ex, eid, rank [depth], key [depth + 8], buf [nbytes]. */
+typedef struct {
+    float *ex;
+    int64_t *eid, *rank;
+    int32_t *key;
+    uint8_t *buf;
+} merge_t;
+
+/* Re-scores one query's candidates cand [depth] (tagged rows, -1: none) exactly with its float tables ft
+ * [2 nbytes, 16] (plus `off`, and -scale^2 * ||c||^2 with sq_table) and merges them into the heap row
+ * ev / ei [k]; a row that held nothing (all -inf) receives its best k in ascending order. Returns 1 when
+ * the row is only a heap, else 0. */
+static int merge_query(const source_t *src, const float *ft, const float *sq_table, int64_t nbytes, float off,
+                       const int64_t *cand, int64_t depth, int64_t k, float *ev, int64_t *ei, const merge_t *w,
+                       int simd) {
+    const int64_t low = ((int64_t)1 << LIST_BITS) - 1;
+    int empty = depth <= RANK_MAX_DEPTH;  /* rank the candidates into an empty heap row */
+    for (int64_t j = 0; empty && j < k; j++) empty = ev[j] == -INFINITY;
+    int64_t cnt = 0;
+    for (int64_t j = 0; j < depth; j++) {
+        int64_t v = cand[j];
+        if (j + PREFETCH < depth && cand[j + PREFETCH] >= 0) {
+            int64_t u = cand[j + PREFETCH];
+            const rows_t *c = src->rows + (u >> LIST_BITS);
+            __builtin_prefetch(c->codes + (u & low) * c->row_bytes);
+            __builtin_prefetch(src->scale[u >> LIST_BITS] + (u & low));
+        }
+        if (v < 0) continue;
+        int64_t l = v >> LIST_BITS, r = v & low;
+        const uint8_t *row = nibble_row(src->rows + l, r, w->buf);
+        float s = src->scale[l][r];
+        float e = s * row_dot(row, ft, nbytes) + (sq_table ? -s * s * row_dot(row, sq_table, nbytes) : 0.f) + off;
+        int64_t id = src->labels[l] ? src->labels[l][r] : src->label_base[l] + r;
+        if (empty) w->ex[cnt] = e, w->eid[cnt++] = id;
+        else if (e > ev[0]) heap_replace_top(ev, ei, k, e, id);
+    }
+    if (!empty) return 1;
+    if (cnt > k) {  /* keep the best k (ties in candidate order), then rank only those */
+        reservoir_t best = {w->ex, w->eid, cnt, k, -INFINITY, w->key, simd, 0};
+        reservoir_shrink(&best);
+        cnt = k;
+    }
+    for (int64_t j = 0; j < cnt; j++) w->key[j] = float_key(w->ex[j]);
+    for (int64_t j = cnt; j < cnt + 8; j++) w->key[j] = INT32_MIN;
+#ifdef TQ_X86
+    if (simd) rank_desc_avx2(w->key, cnt, w->rank);
+    else
+#endif
+        rank_desc(w->key, cnt, w->rank);
+    for (int64_t j = 0; j < cnt; j++) ev[k - 1 - w->rank[j]] = w->ex[j], ei[k - 1 - w->rank[j]] = w->eid[j];
+    return 0;
+}
 
 /* Scans code rows [0, n) for nq queries (see the file comment): the float tables ftab [nq, 2 nbytes, 16]
  * of the rotated queries qs [nq, dim] are built (tq_nibble_tables, with the layout coord, bank_of, bank)
@@ -855,20 +922,21 @@ int tq_fastscan(const uint8_t *codes, int64_t n, int64_t row_bytes, int64_t nbyt
                 int allow_simd) {
     if (n <= 0 || nq <= 0) return 0;
     if (depth > n) depth = n;
-    float *ftab, *cval, *qmul, *qadd, *ex;
-    int64_t *crow, *eid, *rank;
-    uint8_t *qtab, *buf;
-    int32_t *key;
+    float *ftab, *cval, *qmul, *qadd;
+    int64_t *crow;
+    uint8_t *qtab;
+    merge_t w;
     const size_t sizes[] = {sizeof(float) * (size_t)(nq * 2 * nbytes * 16), sizeof(float) * (size_t)(nq * depth),
                             sizeof(float) * (size_t)nq, sizeof(float) * (size_t)nq, sizeof(float) * (size_t)depth,
                             sizeof(int64_t) * (size_t)(nq * depth), sizeof(int64_t) * (size_t)depth,
                             sizeof(int64_t) * (size_t)depth, (size_t)(nq * 2 * nbytes * 16), (size_t)nbytes,
                             sizeof(int32_t) * (size_t)(depth + 8)};
-    void **const ptrs[] = {(void **)&ftab, (void **)&cval, (void **)&qmul, (void **)&qadd, (void **)&ex,
-                           (void **)&crow, (void **)&eid, (void **)&rank, (void **)&qtab, (void **)&buf,
-                           (void **)&key};
+    void **const ptrs[] = {(void **)&ftab, (void **)&cval, (void **)&qmul, (void **)&qadd, (void **)&w.ex,
+                           (void **)&crow, (void **)&w.eid, (void **)&w.rank, (void **)&qtab, (void **)&w.buf,
+                           (void **)&w.key};
     if (arena_get(0, 11, sizes, ptrs)) return -1;
     const rows_t codes_ = {codes, n, row_bytes, nbytes, bits};
+    const source_t src = {&codes_, &scale, &labels, &label_base};
     const int simd = allow_simd && cpu_avx2();
     int heaps_only = 0;
     tq_nibble_tables(qs, nq, dim, coord, bank_of, bank, 2 * nbytes, ftab);
@@ -877,46 +945,76 @@ int tq_fastscan(const uint8_t *codes, int64_t n, int64_t row_bytes, int64_t nbyt
                                         qoffset, depth, cval, crow, allow_simd);
     for (int64_t q = 0; status == 0 && q < nq; q++) {
         const float *ft = ftab + q * 2 * nbytes * 16;
-        float off = qoffset ? qoffset[q] : 0.f;
-        int64_t hrow = rows ? rows[q] : q;
-        float *ev = heap_val + hrow * k;
-        int64_t *ei = heap_ids + hrow * k;
-        const int64_t *cand = crow + q * depth;
         if (q + 1 < nq)  /* the next query's float tables, from a cache level further out */
             for (int64_t l = 0; l < 2 * nbytes * 16; l += 16) __builtin_prefetch(ft + 2 * nbytes * 16 + l);
-        int empty = depth <= RANK_MAX_DEPTH;  /* rank the candidates into an empty heap row */
-        for (int64_t j = 0; empty && j < k; j++) empty = ev[j] == -INFINITY;
-        int64_t cnt = 0;
-        for (int64_t j = 0; j < depth; j++) {
-            int64_t v = cand[j];
-            if (j + PREFETCH < depth && cand[j + PREFETCH] >= 0) {
-                __builtin_prefetch(codes + cand[j + PREFETCH] * row_bytes);
-                __builtin_prefetch(scale + cand[j + PREFETCH]);
-            }
-            if (v < 0) continue;
-            const uint8_t *row = nibble_row(&codes_, v, buf);
-            float s = scale[v];
-            float e = s * row_dot(row, ft, nbytes) + (sq_table ? -s * s * row_dot(row, sq_table, nbytes) : 0.f) + off;
-            int64_t id = labels ? labels[v] : label_base + v;
-            if (empty) ex[cnt] = e, eid[cnt++] = id;
-            else if (e > ev[0]) heap_replace_top(ev, ei, k, e, id);
-        }
-        heaps_only |= !empty;
-        if (!empty) continue;
-        if (cnt > k) {  /* keep the best k (ties in candidate order), then rank only those */
-            reservoir_t best = {ex, eid, cnt, k, -INFINITY, key, simd, 0};
-            reservoir_shrink(&best);
-            cnt = k;
-        }
-        for (int64_t j = 0; j < cnt; j++) key[j] = float_key(ex[j]);
-        for (int64_t j = cnt; j < cnt + 8; j++) key[j] = INT32_MIN;
-#ifdef TQ_X86
-        if (simd) rank_desc_avx2(key, cnt, rank);
-        else
-#endif
-            rank_desc(key, cnt, rank);
-        for (int64_t j = 0; j < cnt; j++) ev[k - 1 - rank[j]] = ex[j], ei[k - 1 - rank[j]] = eid[j];
+        int64_t hrow = rows ? rows[q] : q;
+        heaps_only |= merge_query(&src, ft, sq_table, nbytes, qoffset ? qoffset[q] : 0.f, crow + q * depth, depth, k,
+                                  heap_val + hrow * k, heap_ids + hrow * k, &w, simd);
     }
     arena_done(0);
     return status < 0 ? status : heaps_only;
+}
+
+/* IVF lists: code rows of nl lists (codes[l] [n[l], row_bytes] read as in tq_fastscan_candidates,
+ * scale[l] [n[l]], labelled labels[l][row], or label_base[l] + row where labels[l] is NULL), list l probed
+ * by the queries pair_q[pair_start[l], pair_start[l + 1]) (ascending). Scans them for the queries
+ * [q0, q0 + nq) of qs [*, dim]: each query's tables are built once (as in tq_fastscan), its approximate
+ * candidates gathered in one reservoir over every list it probes, and its `depth` best re-scored exactly
+ * and merged into heap row q of heap_val / heap_ids [*, k]. Returns as tq_fastscan. */
+int tq_fastscan_lists(int64_t nl, const uint8_t *const *codes, const int64_t *n, const float *const *scale,
+                      const int64_t *const *labels, const int64_t *label_base, const int64_t *pair_start,
+                      const int64_t *pair_q, int64_t row_bytes, int64_t nbytes, int bits, const float *sq_table,
+                      int64_t q0, int64_t nq, const float *qs, int64_t dim, const int32_t *coord,
+                      const int32_t *bank_of, const float *bank, int64_t depth, int64_t k, float *heap_val,
+                      int64_t *heap_ids, int allow_simd) {
+    if (nq <= 0 || nl <= 0 || depth <= 0) return 0;
+    const scan_fn scan = pick_scan(allow_simd);
+    const int simd = scan != scan_block_generic;
+    const int64_t tsize = 2 * nbytes * 16, cap = 2 * depth, group = blocks_per_group(nbytes);
+    float *ftab, *qmul, *qadd, *rval;
+    int64_t *rrow, *qidx;
+    uint8_t *qtab, *tb, *xb, *row;
+    int32_t *tmp;
+    reservoir_t *res;
+    rows_t *lists;
+    merge_t w;
+    const size_t sizes[] = {sizeof(float) * (size_t)(nq * tsize), (size_t)(nq * tsize), sizeof(float) * (size_t)nq,
+                            sizeof(float) * (size_t)nq, sizeof(float) * (size_t)(nq * cap),
+                            sizeof(int64_t) * (size_t)(nq * cap), sizeof(int64_t) * (size_t)nq,
+                            sizeof(reservoir_t) * (size_t)nq, sizeof(int32_t) * (size_t)cap,
+                            (size_t)(group * 2 * BLOCK * nbytes), (size_t)block_scratch(nbytes), (size_t)nbytes,
+                            sizeof(rows_t) * (size_t)nl, sizeof(float) * (size_t)depth,
+                            sizeof(int64_t) * (size_t)depth, sizeof(int64_t) * (size_t)depth,
+                            sizeof(int32_t) * (size_t)(depth + 8), (size_t)nbytes};
+    void **const ptrs[] = {(void **)&ftab, (void **)&qtab, (void **)&qmul, (void **)&qadd, (void **)&rval,
+                           (void **)&rrow, (void **)&qidx, (void **)&res, (void **)&tmp, (void **)&tb, (void **)&xb,
+                           (void **)&row, (void **)&lists, (void **)&w.ex, (void **)&w.eid, (void **)&w.rank,
+                           (void **)&w.key, (void **)&w.buf};
+    if (arena_get(0, 18, sizes, ptrs)) return -1;
+    tq_nibble_tables(qs + q0 * dim, nq, dim, coord, bank_of, bank, 2 * nbytes, ftab);
+    tq_quantize_tables(ftab, nq, 2 * nbytes, qtab, qmul, qadd);
+    for (int64_t i = 0; i < nq; i++)
+        res[i] = (reservoir_t){rval + i * cap, rrow + i * cap, 0, depth, -INFINITY, tmp, simd, 0};
+    for (int64_t l = 0; l < nl; l++) {
+        lists[l] = (rows_t){codes[l], n[l], row_bytes, nbytes, bits};
+        const int64_t *p = pair_q + pair_start[l], *end = pair_q + pair_start[l + 1];
+        while (p < end && *p < q0) p++;  /* this call's queries of the list's (ascending) */
+        int64_t m = 0;
+        for (; p < end && *p < q0 + nq; p++) qidx[m++] = *p - q0;
+        if (m == 0 || n[l] == 0) continue;
+        const scan_t ctx = {lists[l], scale[l], sq_table, qtab, qmul, qadd, NULL, scan, simd, group,
+                            l << LIST_BITS, tb, xb, row};
+        scan_blocks(&ctx, 0, 1, qidx, res, m);
+    }
+    const source_t src = {lists, scale, labels, label_base};
+    int heaps_only = 0;
+    for (int64_t i = 0; i < nq; i++) {
+        reservoir_t *r = res + i;
+        if (r->n > depth) reservoir_shrink(r);
+        int64_t cnt = r->n < depth ? r->n : depth;
+        heaps_only |= merge_query(&src, ftab + i * tsize, sq_table, nbytes, 0.f, r->row, cnt, k,
+                                  heap_val + (q0 + i) * k, heap_ids + (q0 + i) * k, &w, simd);
+    }
+    arena_done(0);
+    return heaps_only;
 }
