@@ -10,7 +10,8 @@ shuffles (AVX2; a portable C loop elsewhere gives the same integers), keeps ``de
 candidates per query, re-scores them exactly with the float tables and merges them into a
 :class:`~tqindex.index.TopK` (an empty heap row gets its best k in ascending order, so a search of one
 run needs no heap sort). Work is split over ``torch.get_num_threads()`` threads (by queries, or by rows
-for a few queries).
+for a few queries). :meth:`FastScan.run_lists` scans IVF lists in one call: each query's candidates from
+all the lists it probes share one reservoir and are re-scored once.
 
 The kernel is built by ``pip install`` when a C compiler is present (``native.py``); :func:`available`
 says whether it loaded, and the index falls back to PyTorch scans otherwise. :func:`reference_scores` is the numpy
@@ -160,6 +161,13 @@ def candidate_depth(k: int) -> int:
     return k + max(16, k)
 
 
+def _query_cuts(m: int, threads: int) -> list[int]:
+    """Where m queries are cut into jobs: one on one thread, else up to JOBS_PER_THREAD per thread of at
+    least MIN_JOB_QUERIES (and at least one per thread)."""
+    jobs = 1 if threads == 1 else max(threads, min(threads * JOBS_PER_THREAD, m // MIN_JOB_QUERIES))
+    return np.linspace(0, m, jobs + 1).astype(int).tolist()
+
+
 class FastScan:
     """Scores 1/2/3/4-bit codes with the compiled kernel into a running top-k."""
 
@@ -200,8 +208,7 @@ class FastScan:
                 None if heap_rows is None else heap_rows[q0:].data_ptr(), k, hv.data_ptr(), hi.data_ptr(), int(SIMD))
 
         if threads == 1 or m >= threads:  # split the queries, into several jobs per thread when they are many
-            jobs = 1 if threads == 1 else max(threads, min(threads * JOBS_PER_THREAD, m // MIN_JOB_QUERIES))
-            cuts = np.linspace(0, m, jobs + 1).astype(int).tolist()
+            cuts = _query_cuts(m, threads)
             status = native.parallel(call, [(0, n, a, b, rows, top.values, top.labels)
                                             for a, b in zip(cuts[:-1], cuts[1:])], threads)
             top.ascending &= not any(status)  # the kernel fills empty heap rows in ascending order
@@ -239,8 +246,7 @@ class FastScan:
                 self.lut.dim, coord.data_ptr(), bank_of.data_ptr(), bank.data_ptr(), depth, k,
                 top.values.data_ptr(), top.labels.data_ptr(), int(SIMD))
 
-        jobs = 1 if threads == 1 else max(threads, min(threads * JOBS_PER_THREAD, m // MIN_JOB_QUERIES))
-        cuts = np.linspace(0, m, jobs + 1).astype(int).tolist()
+        cuts = _query_cuts(m, threads)
         status = native.parallel(call, list(zip(cuts[:-1], cuts[1:])), threads)
         top.ascending &= not any(status)
 
