@@ -42,11 +42,11 @@ from tqindex.metrics import recall_by_score  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-class TQIVF:
+class TQIVF(B.Baseline):
     """tqindex ``IVFIndex`` over "tq{bits}" codes of the raw vectors."""
 
     def __init__(self, dim: int, bits: int, nlist: int, metric: str) -> None:
-        self.name, self.family, self.bits = f"tq{bits}-ivf", "tqindex", bits
+        super().__init__(f"tq{bits}-ivf", "tqindex", bits)
         self.index = tq.IVFIndex(tq.make_encoder(f"tq{bits}", dim), nlist, metric=metric)
 
     def build(self, x: np.ndarray) -> None:
@@ -83,15 +83,6 @@ def methods_for(dim: int, bits: int, nlist: int, metric: str) -> list[Any]:
     out = [TQIVF(dim, bits, nlist, metric),
            FaissIVF(f"faiss-ivf-pq-fs{m}x4", bits, f"IVF{nlist},PQ{m}x4fs", dim, metric, m)]
     return out + ([FaissIVF("faiss-ivf-sq4", bits, f"IVF{nlist},SQ4", dim, metric)] if bits == 4 else [])
-
-
-def timed(method: Any, q: np.ndarray, k: int, threads: int) -> float:
-    """Seconds of one batched search on ``threads`` threads, right after the same search untimed."""
-    B.set_threads(threads)
-    method.search(q, k)
-    t0 = time.perf_counter()
-    method.search(q, k)
-    return time.perf_counter() - t0
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -159,7 +150,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             m = next(x for x in methods if x.name == row["method"])
             m.set_nprobe(row["nprobe"])
             for t in (1, 2):
-                qps = round(len(timing) / timed(m, timing, args.k, t), 1)
+                qps = round(len(timing) / m.timed_search(timing, args.k, t), 1)
                 row.setdefault(f"qps_rounds_{t}t", []).append(qps)
                 row[f"qps_{t}t"] = max(row[f"qps_rounds_{t}t"])
     result = {"benchmark": "ivf",

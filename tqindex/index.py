@@ -628,8 +628,7 @@ class FlatIndex(BaseIndex):
     def _scan(self, scan: BlockScan, q: Tensor, allowed: Tensor | None) -> None:
         lst = self._lists[0]
         if lst.size:
-            select = None if allowed is None else torch.nonzero(torch.isin(lst.live_ids, allowed)).squeeze(1)
-            scan.run(lst.live_codes, select=select)
+            scan.run(lst.live_codes, select=selected_rows(lst.live_ids, allowed))
 
     @classmethod
     def _from_file(cls, header: dict, arrays: dict[str, np.ndarray]) -> "FlatIndex":
@@ -641,6 +640,11 @@ class FlatIndex(BaseIndex):
 def index_factory(dim: int, name: str, metric: str = "ip", **options: Any) -> FlatIndex:
     """FlatIndex over the registry encoder ``name`` ("tq4", "tq2", "tq3-prod", "fp4", ...) for ``dim``."""
     return FlatIndex(make_encoder(name, dim), metric=metric, **options)
+
+
+def selected_rows(ids: Tensor, allowed: Tensor | None) -> Tensor | None:
+    """Rows (int64) of ids [n] that are in ``allowed`` (sorted int64 ids), or None (all) when allowed is None."""
+    return None if allowed is None else torch.nonzero(torch.isin(ids, allowed)).squeeze(1)
 
 
 def check_int(value: Any, name: str, minimum: int) -> int:

@@ -26,7 +26,7 @@ from torch import Tensor
 from .codes import Codes
 from .encoder import Encoder
 from .fastscan import CodeLists
-from .index import DECODE_ELEMENTS, LIST_SHIFT, TILE_BYTES, BaseIndex, BlockScan, check_int
+from .index import DECODE_ELEMENTS, LIST_SHIFT, TILE_BYTES, BaseIndex, BlockScan, check_int, selected_rows
 from .io import register_index_type
 
 
@@ -158,7 +158,7 @@ class IVFIndex(BaseIndex):
                 runs = []
                 for no in nos.tolist():
                     lst, base = self._lists[no], no << LIST_SHIFT
-                    select = _selected(lst.live_ids, allowed) if lst.size else None
+                    select = selected_rows(lst.live_ids, allowed) if lst.size else None
                     runs.append((None, base) if not lst.size else (lst.live_codes[select], select + base))
                 code_lists, start = CodeLists(runs), F.pad(counts, (1, 0))
             start = start.cumsum(0)
@@ -173,7 +173,7 @@ class IVFIndex(BaseIndex):
         for no, list_rows, offset in zip(nos.tolist(), rows.split(split), offsets):
             lst = self._lists[no]
             if lst.size:
-                select = _selected(lst.live_ids, allowed)
+                select = selected_rows(lst.live_ids, allowed)
                 shift = 2 * self._centroids_rot[no] if self.by_residual and scan.l2 else None  # ... + 2<q - c, r̂> - ||r̂||²
                 scan.run(lst.live_codes, no << LIST_SHIFT, select, list_rows, offset, shift)
 
@@ -198,7 +198,7 @@ class IVFIndex(BaseIndex):
                 if allowed is None:
                     group.append((j, no, lst.size, None, lst.live_codes))
                 else:
-                    rows = torch.nonzero(torch.isin(lst.live_ids, allowed))[:, 0]
+                    rows = selected_rows(lst.live_ids, allowed)
                     group.append((j, no, len(rows), rows, lst.live_codes[rows]))
                 total += group[-1][2]
             if group and (total >= chunk or j == len(probed) - 1):
@@ -253,11 +253,6 @@ class IVFIndex(BaseIndex):
             raise ValueError("an untrained IVF index cannot hold vectors")
         index._restore(header, arrays, offsets.tolist())
         return index
-
-
-def _selected(ids: Tensor, allowed: Tensor | None) -> Tensor | None:
-    """Rows of ids [n] that are in ``allowed`` (sorted int64), or None (all) when allowed is None."""
-    return None if allowed is None else torch.nonzero(torch.isin(ids, allowed)).squeeze(1)
 
 
 register_index_type(IVFIndex.index_type, IVFIndex._from_file)

@@ -236,7 +236,7 @@ static inline void reservoir_offer(reservoir_t *r, const float *sc, unsigned mas
 
 /* Scratch memory of each thread, kept between calls (up to SCRATCH_KEEP bytes) and freed when the
  * thread ends: a scan then maps no fresh pages (page faults and, with several threads, TLB shootdowns
- * when they are unmapped). Slot 0 serves tq_fastscan, slot 1 tq_fastscan_candidates. */
+ * when they are unmapped). Slot 0 serves tq_fastscan and tq_fastscan_lists, slot 1 tq_fastscan_candidates. */
 #define SCRATCH_KEEP ((size_t)16 << 20)
 typedef struct {
     uint8_t *p;
