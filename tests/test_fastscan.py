@@ -17,7 +17,7 @@ def setup(bits: int, dim: int, n: int, nq: int, l2: bool, seed: int = 0):
     codes = enc.encode(torch.randn(n, dim, generator=g) * torch.rand(n, 1, generator=g) * 3)
     scan = fs.FastScan(LookupTables(enc))
     qs = enc.prepare_queries(torch.randn(nq, dim, generator=g)) * (2 if l2 else 1)
-    return enc, codes, scan, fs.compiled_quantize_tables(scan.lut.nibble_tables(qs)), (scan.sq if l2 else None)
+    return enc, codes, scan, fs.compiled_quantize_tables(scan.lut.nibble_tables(qs, scan=True)), (scan.sq if l2 else None)
 
 
 def test_quantized_tables_bound_the_error():
@@ -49,12 +49,44 @@ def test_compiled_nibble_tables_equal_the_reference(name, dim):
         enc.train(torch.randn(500, dim, generator=g) * torch.linspace(0.2, 2, dim))
     lut = LookupTables(enc)
     qs = enc.prepare_queries(torch.randn(9, dim, generator=g))
-    torch.testing.assert_close(fs.compiled_nibble_tables(lut, qs), lut.nibble_tables(qs), rtol=1e-5, atol=1e-6)
+    want = lut.nibble_tables(qs)
+    if lut.code_bits == 3:  # then the approximate stage's tables
+        want = torch.cat((want, lut.nibble_tables(qs, scan=True)), 1)
+    torch.testing.assert_close(fs.compiled_nibble_tables(lut, qs), want, rtol=1e-5, atol=1e-6)
 
 
-def nibble_rows(codes: tq.Codes, bits: int, dim: int) -> np.ndarray:
-    """qdata as the kernel reads it: 3-bit codes one per nibble, other widths as they are."""
-    return (pack(unpack(codes.qdata, 3, dim), 4) if bits == 3 else codes.qdata).numpy()
+@pytest.mark.parametrize("dim", [50, 5, 8, 13, 600])
+def test_split_layout_approximates_3_bit_scores(dim):
+    """The approximate stage's rows and tables of 3-bit codes give sum_i q_i (A[t_i] + (l_i - 1/2) D) for
+    codes 2 t_i + l_i: within max|c[2t + l] - A[t] - (l - 1/2) D| * sum_i |q_i| of the exact score, and
+    they take 3/4 of the nibbles."""
+    g = torch.Generator().manual_seed(dim)
+    enc = tq.TurboQuantMSE(dim=dim, bits=3)
+    lut = LookupTables(enc)
+    assert lut.scan_nbytes == -(-(-(-dim // 2) + -(-dim // 4)) // 2)
+    codes = enc.encode(torch.randn(40, dim, generator=g))
+    qs = enc.prepare_queries(torch.randn(7, dim, generator=g))
+    rows = torch.from_numpy(fs.reference_rows(lut, codes.qdata)).long()  # [n, scan_nbytes]
+    nib = torch.stack((rows & 15, rows >> 4), -1).flatten(1)  # [n, 2 scan_nbytes]
+    tables = lut.nibble_tables(qs, scan=True)  # [m, 2 scan_nbytes, 16]
+    approx = tables.gather(2, nib.T[None].expand(len(qs), -1, -1)).sum(1)  # [m, n]
+    c = unpack(codes.qdata, 3, dim).long()
+    (_, _, levels), = enc.segments()
+    pairs = levels.reshape(4, 2)
+    a, d = pairs.mean(1), (pairs[:, 1] - pairs[:, 0]).mean()
+    torch.testing.assert_close(approx, qs @ (a[c // 2] + (c % 2 - 0.5) * d).T, rtol=1e-5, atol=1e-5)
+    bound = (pairs - a[:, None] - torch.tensor([-0.5, 0.5]) * d).abs().max() * qs.abs().sum(1, keepdim=True)
+    assert ((approx - qs @ levels[c].T).abs() <= bound + 1e-5).all()
+
+
+def approximate_stage_inputs(scan: fs.FastScan, codes: tq.Codes, sq: torch.Tensor | None) -> tuple:
+    """(rows the approximate stage reads, ||c||² of each row or None) for :func:`fs.reference_scores`."""
+    lut = scan.lut
+    if sq is None:
+        return fs.reference_rows(lut, codes.qdata), None
+    exact = pack(unpack(codes.qdata, 3, lut.dim), 4) if lut.code_bits == 3 else codes.qdata  # one code per nibble
+    nib = torch.stack((exact & 15, exact >> 4), -1).flatten(1).long()  # [n, 2P]
+    return fs.reference_rows(lut, codes.qdata), sq[torch.arange(nib.shape[1]), nib].sum(1).double().numpy()
 
 
 # 600: > 256 byte positions; 3-bit rows of 19 bytes (50), 2 (5: the last nibble past the row) and 225 (600)
@@ -66,28 +98,27 @@ def test_candidates_equal_the_numpy_reference(bits, dim, l2, simd):
     # 600 dims: one block transposed at a time, and 45 queries' tables fill more than 3/4 of a 512 KB L2
     enc, codes, scan, (qtab, mul, add), sq = setup(bits, dim, n, 45 if dim == 600 else 6, l2)
     scale = codes.norm.float()
-    val, row = fs.kernel_candidates(codes.qdata, scale, sq, qtab, mul, add, n, allow_simd=simd, code_bits=3 if bits == 3 else 4)
+    val, row = fs.kernel_candidates(scan.lut, codes.qdata, scale, sq, qtab, mul, add, n, allow_simd=simd)
     assert sorted(row[0].tolist()) == list(range(n))  # depth = n: every row, best first
     assert (val[:, 1:] <= val[:, :-1]).all()
-    ref = fs.reference_scores(nibble_rows(codes, bits, dim), scale.numpy(), None if sq is None else sq.numpy(),
-                              qtab.numpy(), mul.double().numpy(), add.double().numpy())
+    rows, sqnorm = approximate_stage_inputs(scan, codes, sq)
+    ref = fs.reference_scores(rows, scale.numpy(), sqnorm, qtab.numpy(), mul.double().numpy(), add.double().numpy())
     got = np.take_along_axis(ref, row.numpy(), 1)
     # one unit of the integer sum moves a score by mul * scale: the tolerance is a fraction of that
     tol = 0.25 * mul.numpy()[:, None] * scale.numpy()[row.numpy()] + 1e-5 * np.abs(ref).max()
     assert (np.abs(val.numpy() - got) <= tol).all()
     # a smaller depth keeps the best approximate scores
-    val20, row20 = fs.kernel_candidates(codes.qdata, scale, sq, qtab, mul, add, 20, allow_simd=simd,
-                                        code_bits=3 if bits == 3 else 4)
+    val20, row20 = fs.kernel_candidates(scan.lut, codes.qdata, scale, sq, qtab, mul, add, 20, allow_simd=simd)
     torch.testing.assert_close(val20, val[:, :20])
 
 
 def test_simd_and_portable_loops_agree():
     if not fs.simd():
         pytest.skip("no AVX2 on this CPU")
-    _, codes, _, (qtab, mul, add), _ = setup(4, 64, 1000, 9, False)
+    _, codes, scan, (qtab, mul, add), _ = setup(4, 64, 1000, 9, False)
     scale = codes.norm.float()
-    a = fs.kernel_candidates(codes.qdata, scale, None, qtab, mul, add, 1000, allow_simd=True)
-    b = fs.kernel_candidates(codes.qdata, scale, None, qtab, mul, add, 1000, allow_simd=False)
+    a = fs.kernel_candidates(scan.lut, codes.qdata, scale, None, qtab, mul, add, 1000, allow_simd=True)
+    b = fs.kernel_candidates(scan.lut, codes.qdata, scale, None, qtab, mul, add, 1000, allow_simd=False)
     va = torch.empty_like(a[0]).scatter_(1, a[1], a[0])  # scores by row
     vb = torch.empty_like(b[0]).scatter_(1, b[1], b[0])
     # the same integer sums; only float rounding (fused or not) differs
@@ -113,7 +144,7 @@ def test_sampled_threshold_keeps_the_exact_candidates(adversarial):
         perm[heads] = best
         perm[np.setdiff1d(np.arange(n), heads)] = rest
         qdata, scale, ref = qdata[perm], scale[perm], ref[:, perm]
-    val, row = fs.kernel_candidates(qdata, scale, None, qtab, mul, add, depth)
+    val, row = fs.kernel_candidates(scan.lut, qdata, scale, None, qtab, mul, add, depth)
     want = -np.sort(-ref, axis=1)[:, :depth]
     tol = 0.25 * mul.numpy()[:, None] * scale.numpy().max() + 1e-6
     assert (np.abs(val.numpy() - want) <= tol).all()  # the depth best, in order

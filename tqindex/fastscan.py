@@ -1,13 +1,14 @@
 """Compiled nibble lookup-table scan of 1/2/3/4-bit codes (TurboQuantMSE, TurboQuantPCA; ``csrc/fastscan.c``).
 
 Each 4-bit nibble of a packed code row holds whole codes, so a query's score is ``s · Σ_t T[t][nibble_t]``
-over the row's 2·P nibbles (:meth:`LookupTables.nibble_tables`); rows of 3-bit codes are read as one
-code per nibble (expanded in the kernel; the index keeps 3 bits per code). The kernel builds these
-float tables from the rotated queries itself (:func:`table_layout` says how;
-:func:`compiled_nibble_tables` runs that step alone), turns them into uint8 tables plus a per-query
-affine map (:func:`quantize_tables` is the reference of that rule), sums 32 rows at a time with byte
-shuffles (AVX2; a portable C loop elsewhere gives the same integers), keeps ``depth`` approximate
-candidates per query, re-scores them exactly with the float tables and merges them into a
+over the row's 2·P nibbles (:meth:`LookupTables.nibble_tables`). Rows of 3-bit codes (the index keeps
+3 bits per code) are expanded in the kernel: to one code per nibble for exact scores, and to the split
+layout of :mod:`tqindex.lut` (3/4 of the nibbles, approximate) for the first stage. The kernel builds
+these float tables from the rotated queries itself (:func:`table_layout` says how;
+:func:`compiled_nibble_tables` runs that step alone), turns the first stage's into uint8 tables plus a
+per-query affine map (:func:`quantize_tables` is the reference of that rule), sums 32 rows at a time
+with byte shuffles (AVX2; a portable C loop elsewhere gives the same integers), keeps ``depth``
+approximate candidates per query, re-scores them exactly with the float tables and merges them into a
 :class:`~tqindex.index.TopK` (an empty heap row gets its best k in ascending order, so a search of one
 run needs no heap sort). Work is split over ``torch.get_num_threads()`` threads (by queries, or by rows
 for a few queries). :meth:`FastScan.run_lists` scans IVF lists in one call: each query's candidates from
@@ -15,7 +16,8 @@ all the lists it probes share one reservoir and are re-scored once.
 
 The kernel is built by ``pip install`` when a C compiler is present (``native.py``); :func:`available`
 says whether it loaded, and the index falls back to PyTorch scans otherwise. :func:`reference_scores` is the numpy
-reference of the approximate scores (:func:`kernel_candidates` runs that stage alone).
+reference of the approximate scores over the rows :func:`reference_rows` gives (:func:`kernel_candidates`
+runs that stage alone).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from torch import Tensor
 from . import native
 from .codes import Codes
 from .lut import LookupTables
+from .packing import unpack
 
 if TYPE_CHECKING:
     from .index import TopK
@@ -81,30 +84,36 @@ SLOTS = 4
 
 def table_layout(lut: LookupTables) -> tuple[Tensor, Tensor, Tensor]:
     """How the kernel builds ``lut``'s nibble tables from rotated queries q [dim]: (coord int32 [T, SLOTS],
-    bank_of int32 [T], bank float32 [runs, SLOTS, 16]) with ``T[t][v] = Σ_j q[coord[t, j]] ·
+    bank_of int32 [T], bank float32 [banks, SLOTS, 16]) with ``T[t][v] = Σ_j q[coord[t, j]] ·
     bank[bank_of[t], j, v]``; ``coord = dim`` stands for no coordinate (a slot past the codes a nibble
-    holds, or past its run's end)."""
+    holds, or past its run's end). The T = 2P rows of the exact tables come first, then for 3-bit codes
+    the 2 ``scan_nbytes`` rows of the approximate stage (``lut.nibble_tables(q, scan=True)``)."""
     coord, bank_of, bank = [], [], []
-    for r, (start, n, per_nibble, nbytes, levels) in enumerate(lut.runs):
-        local = torch.arange(2 * nbytes)[:, None] * per_nibble + torch.arange(SLOTS)  # [2 nbytes, SLOTS]
-        used = (torch.arange(SLOTS) < per_nibble) & (local < n)
-        coord.append(torch.where(used, local + start, lut.dim))
-        bank_of.append(torch.full((2 * nbytes,), r))
-        b = torch.zeros(SLOTS, 16)
-        b[:per_nibble] = levels.T.float().cpu()  # levels [16, per_nibble]
-        bank.append(b)
+    for runs in [lut.runs] + ([lut.scan_runs] if lut.scan_runs is not lut.runs else []):
+        for start, n, per_nibble, nibbles, levels in runs:
+            local = torch.arange(nibbles)[:, None] * per_nibble + torch.arange(SLOTS)  # [nibbles, SLOTS]
+            used = (torch.arange(SLOTS) < per_nibble) & (local < n)
+            coord.append(torch.where(used, local + start, lut.dim))
+            bank_of.append(torch.full((nibbles,), len(bank)))
+            b = torch.zeros(SLOTS, 16)
+            b[:per_nibble] = levels.T.float().cpu()  # levels [16, per_nibble]
+            bank.append(b)
+        if sum(r[3] for r in runs) % 2:  # the empty nibble that completes the last byte
+            coord.append(torch.full((1, SLOTS), lut.dim))
+            bank_of.append(torch.zeros(1, dtype=torch.int64))
     return (torch.cat(coord).int().contiguous(), torch.cat(bank_of).int().contiguous(),
             torch.stack(bank).contiguous())
 
 
 def compiled_nibble_tables(lut: LookupTables, qs: Tensor) -> Tensor:
-    """``lut.nibble_tables(qs)`` ([m, 2P, 16] of rotated queries qs [m, dim]) as the kernel builds them
-    (``tq_nibble_tables``, inside every scan)."""
+    """The float tables [m, T, 16] the kernel builds (``tq_nibble_tables``, inside every scan) for rotated
+    queries qs [m, dim]: ``lut.nibble_tables(qs)``, then for 3-bit codes ``lut.nibble_tables(qs, scan=True)``
+    (see :func:`table_layout`)."""
     qs = qs.float().contiguous()
     coord, bank_of, bank = table_layout(lut)
-    out = torch.empty(qs.shape[0], 2 * lut.nbytes, 16)
+    out = torch.empty(qs.shape[0], len(bank_of), 16)
     native.require().tq_nibble_tables(qs.data_ptr(), qs.shape[0], lut.dim, coord.data_ptr(), bank_of.data_ptr(),
-                                      bank.data_ptr(), 2 * lut.nbytes, out.data_ptr())
+                                      bank.data_ptr(), len(bank_of), out.data_ptr())
     return out
 
 
@@ -117,37 +126,52 @@ def compiled_quantize_tables(tables: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return u8, mul, add
 
 
-def reference_scores(qdata: np.ndarray, scale: np.ndarray, sq_table: np.ndarray | None, qtab: np.ndarray,
+def reference_rows(lut: LookupTables, qdata: Tensor) -> np.ndarray:
+    """The nibble rows uint8 [n, scan_nbytes] the kernel's approximate stage reads from the codes qdata
+    [n, code bytes] of ``lut``'s encoder: the codes themselves, or for 3-bit codes their split layout
+    (:mod:`tqindex.lut`): nibble t < ceil(d/2) holds ``code >> 1`` of coordinates 2t (bits 0-1) and 2t + 1
+    (bits 2-3), the next ceil(d/4) hold ``code & 1`` of four coordinates each (bit j: coordinate 4u + j)."""
+    if lut.code_bits != 3:
+        return qdata.numpy()
+    c = unpack(qdata, 3, lut.dim).numpy().astype(np.uint8)  # [n, d]
+    pairs = np.pad(c >> 1, ((0, 0), (0, -lut.dim % 2)))
+    lows = np.pad(c & 1, ((0, 0), (0, -lut.dim % 4))).reshape(len(c), -1, 4)
+    nib = np.concatenate([pairs[:, 0::2] | pairs[:, 1::2] << 2, (lows << np.arange(4, dtype=np.uint8)).sum(-1)], 1)
+    nib = np.pad(nib, ((0, 0), (0, nib.shape[1] % 2))).astype(np.uint8)
+    return nib[:, 0::2] | nib[:, 1::2] << 4
+
+
+def reference_scores(rows: np.ndarray, scale: np.ndarray, sqnorm: np.ndarray | None, qtab: np.ndarray,
                      mul: np.ndarray, add: np.ndarray) -> np.ndarray:
-    """Numpy reference of the kernel's approximate scores [nq, n] (float64): qdata uint8 [n, P], scale [n],
-    sq_table [2P, 16] float or None, qtab uint8 [nq, 2P, 16], mul and add [nq]:
-    ``scale · (mul · Σ_p (qtab[2p, lo_p] + qtab[2p+1, hi_p]) + add) - scale² · ||c||²``."""
-    p = np.arange(qdata.shape[1])
-    lo, hi = (qdata & 15).astype(np.int64), (qdata >> 4).astype(np.int64)
+    """Numpy reference of the kernel's approximate scores [nq, n] (float64): nibble rows uint8 [n, P]
+    (:func:`reference_rows`), scale [n], sqnorm (||c||² of each row, float [n]) or None, quantized tables
+    qtab uint8 [nq, 2P, 16] with mul and add [nq]: ``scale · (mul · Σ_p (qtab[2p, lo_p] + qtab[2p+1, hi_p])
+    + add) - scale² · sqnorm``."""
+    p = np.arange(rows.shape[1])
+    lo, hi = (rows & 15).astype(np.int64), (rows >> 4).astype(np.int64)
     t = qtab.astype(np.int64)
     sums = (t[:, 2 * p, lo] + t[:, 2 * p + 1, hi]).sum(-1)  # [nq, n]
     s = scale.astype(np.float64)
     out = s * (mul[:, None] * sums + add[:, None])
-    if sq_table is not None:
-        out -= s**2 * (sq_table[2 * p, lo] + sq_table[2 * p + 1, hi]).sum(-1)
+    if sqnorm is not None:
+        out -= s**2 * sqnorm
     return out
 
 
-def kernel_candidates(qdata: Tensor, scale: Tensor, sq_table: Tensor | None, qtab: Tensor, mul: Tensor, add: Tensor,
-                      depth: int, allow_simd: bool = True, code_bits: int = 4) -> tuple[Tensor, Tensor]:
-    """The kernel's approximate stage alone: the ``depth`` best approximate scores of qdata uint8 [n, P]
-    (or [n, ceil(3d/8)] 3-bit codes with ``code_bits=3``; scale float32 [n]) per query, for quantized
-    tables (qtab uint8 [m, 2P, 16], mul and add float32 [m], from :func:`quantize_tables`) ->
-    (scores float32 [m, depth], rows int64 [m, depth]), best first."""
+def kernel_candidates(lut: LookupTables, qdata: Tensor, scale: Tensor, sq_table: Tensor | None, qtab: Tensor,
+                      mul: Tensor, add: Tensor, depth: int, allow_simd: bool = True) -> tuple[Tensor, Tensor]:
+    """The kernel's approximate stage alone: the ``depth`` best approximate scores of the code rows qdata
+    uint8 [n, code bytes] of ``lut``'s encoder (scale float32 [n]; sq_table: ``lut.nibble_tables(None)`` for
+    "l2" scores, or None) per query, for quantized tables of ``lut.nibble_tables(q, scan=True)`` (qtab uint8
+    [m, 2 scan_nbytes, 16], mul and add float32 [m], from :func:`quantize_tables`) -> (scores float32
+    [m, depth], rows int64 [m, depth]), best first."""
     lib = native.require()
-    if code_bits not in (3, 4):
-        raise ValueError(f"code_bits must be 3 (3-bit codes) or 4 (nibble-packed codes), got {code_bits!r}")
     qdata, scale, qtab = qdata.contiguous(), scale.float().contiguous(), qtab.contiguous()
     mul, add = mul.float().contiguous(), add.float().contiguous()
     m = qtab.shape[0]
     val, row = torch.empty(m, depth), torch.empty(m, depth, dtype=torch.int64)
     status = lib.tq_fastscan_candidates(
-        qdata.data_ptr(), qdata.shape[0], qdata.shape[1], qtab.shape[1] // 2, code_bits, scale.data_ptr(),
+        qdata.data_ptr(), qdata.shape[0], qdata.shape[1], lut.nbytes, lut.code_bits, scale.data_ptr(),
         _ptr(None if sq_table is None else sq_table.contiguous()), m, qtab.data_ptr(), mul.data_ptr(),
         add.data_ptr(), None, depth, val.data_ptr(), row.data_ptr(), int(allow_simd))
     if status != 0:
@@ -176,7 +200,8 @@ class FastScan:
         self.lut = lut
         self.sq = lut.nibble_tables(None).contiguous()  # [T, 16] partial sums of c² ("l2" scores)
         self.layout = table_layout(lut)
-        self.table_bytes = self.sq.numel() * 5  # one query's tables in the kernel (float32 + uint8)
+        # one query's tables in the kernel: float32 (exact, then for 3-bit codes scan tables) + uint8 scan tables
+        self.table_bytes = len(self.layout[1]) * 16 * 4 + lut.scan_nbytes * 32
 
     def run(self, qs: Tensor, codes: Codes, labels: Tensor | int, top: "TopK", rows: Tensor | None, l2: bool,
             offset: Tensor | None = None) -> None:

@@ -9,8 +9,12 @@ of every coordinate. The lookups run as one ``embedding_bag`` (sum) over int32 i
 
 A byte's table is the sum of the tables of its two 4-bit nibbles (:meth:`LookupTables.nibble_tables`),
 which the compiled scan (``fastscan.py``) uses directly. It also reads 3-bit codes (8 codes in 3 bytes,
-so no byte holds whole codes) by expanding them to one code per nibble: their nibble tables have 8 of
-16 entries in use, and they have no byte tables.
+so no byte holds whole codes); they have no byte tables. Their exact nibble tables take one code per
+nibble (8 of 16 entries in use). The compiled scan's first, approximate stage reads them in a split
+layout with fewer nibbles (``scan_runs``): with code ``2t + l`` and the additive approximation
+``c[2t + l] ≈ A[t] + (l - 1/2)·D`` (A[t] = the mean of levels 2t and 2t + 1, D = the mean step between
+them), ``ceil(d/2)`` nibbles hold the ``t`` of two coordinates each and ``ceil(d/4)`` nibbles the ``l``
+of four, 3/4 of the lookups; the candidates it keeps are re-scored with the exact tables.
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ class LookupTables:
             raise ValueError(f"lookup tables need codes of {LUT_BITS} bits per coordinate, or {STREAM_BITS} in "
                              f"one run (TurboQuantMSE, TurboQuantPCA), got {encoder!r}")
         self.dim = encoder.dim
-        self.runs = []  # (first coordinate, coordinates, codes per nibble, nibble bytes, levels [16, per nibble])
+        self.runs = []  # (first coordinate, coordinates, codes per nibble, nibbles, levels [16, per nibble])
         # 4: every nibble holds whole codes; 3: one run of 3-bit codes (a bit stream), one per nibble read
         self.code_bits = STREAM_BITS if [w for _, w, _ in encoder.segments()] == [STREAM_BITS] else 4
         start = 0
@@ -64,25 +68,40 @@ class LookupTables:
             if w:
                 per_nibble = max(1, 4 // w)
                 nibbles = unpack(torch.arange(16, dtype=torch.uint8, device=device)[:, None], w, per_nibble)
-                nbytes = -(-n // (2 * per_nibble))
-                self.runs.append((start, n, per_nibble, nbytes, centroids.to(device)[nibbles.int()]))
+                self.runs.append((start, n, per_nibble, 2 * -(-n // (2 * per_nibble)), centroids.to(device)[nibbles.int()]))
             start += n
-        self.nbytes = sum(r[3] for r in self.runs)  # P: nibble-packed bytes per vector (more than stored for 3 bits)
+        self.nbytes = sum(r[3] for r in self.runs) // 2  # P: nibble-packed bytes per vector (more than stored for 3 bits)
+        # the runs of the compiled scan's approximate stage, and its bytes per row
+        self.scan_runs = self._split_runs(encoder) if self.code_bits == STREAM_BITS else self.runs
+        self.scan_nbytes = -(-sum(r[3] for r in self.scan_runs) // 2)
         self.offsets = torch.arange(0, 256 * self.nbytes, 256, dtype=torch.int32, device=device)  # [P]
         self.sq_tables = self._bytes(self.nibble_tables(None)[None])  # [P, 256, 1]: sums of c² (1/2/4 bits)
 
-    def nibble_tables(self, q: Tensor | None) -> Tensor:
+    def _split_runs(self, encoder: Encoder) -> list[tuple]:
+        """The split layout of 3-bit codes (module docstring): pair nibbles, then low-bit nibbles."""
+        (n, _, c), = encoder.segments()
+        pairs = c.to(self.runs[0][4].device).float().reshape(4, 2)  # [t, l]
+        a, d = pairs.mean(1), (pairs[:, 1] - pairs[:, 0]).mean()
+        v = torch.arange(16, device=a.device)
+        shifts = torch.arange(4, device=a.device)
+        low = (((v[:, None] >> shifts) & 1) - 0.5) * d  # [16, 4]
+        return [(0, n, 2, -(-n // 2), a[torch.stack((v & 3, v >> 2), 1)]), (0, n, 4, -(-n // 4), low)]
+
+    def nibble_tables(self, q: Tensor | None, scan: bool = False) -> Tensor:
         """Nibble tables of rotated queries q [m, dim] -> [m, 2P, 16]: entry ``[i, t, v]`` is the partial
         inner product of q[i] with the codes of nibble value v at nibble t (t = 2p: low nibble of byte p,
         2p + 1: high nibble). ``q=None`` gives the partial sums of ``c²`` ([2P, 16]). Coordinates past
-        a run's end (the padding of its last byte) get zero weight."""
+        a run's end (the padding of its last byte) get zero weight. ``scan``: the tables of
+        ``scan_runs`` instead ([m, 2 scan_nbytes, 16]; for 3-bit codes the approximate split layout)."""
         parts = []
-        for start, n, per_nibble, nbytes, levels in self.runs:
+        for start, n, per_nibble, nibbles, levels in self.scan_runs if scan else self.runs:
             lv = levels if q is not None else levels.square()
             w = q[:, start : start + n] if q is not None else torch.ones(1, n, device=levels.device)
-            w = F.pad(w, (0, 2 * nbytes * per_nibble - n)).reshape(len(w), -1, per_nibble)
-            parts.append(w @ lv.T)  # [m, 2 nbytes, 16]
-        t = parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+            w = F.pad(w, (0, nibbles * per_nibble - n)).reshape(len(w), -1, per_nibble)
+            parts.append(w @ lv.T)  # [m, nibbles, 16]
+        t = torch.cat(parts, 1)
+        if t.shape[1] % 2:  # a last, empty nibble completes the byte
+            t = F.pad(t, (0, 0, 0, 1))
         return t if q is not None else t[0]
 
     def tables(self, qr: Tensor, sqnorm: bool = False) -> Tensor:

@@ -3,7 +3,9 @@
  * A code row is `nbytes` packed bytes; each 4-bit nibble t (t = 2p: low nibble of byte p, t = 2p + 1:
  * high nibble) holds 4/b whole codes, so a query's partial inner product with the row is a sum of
  * 2 * nbytes table entries T[t][nibble_t]. Rows of 3-bit codes (a bit stream, 8 codes in 3 bytes) are
- * expanded to one code per nibble as they are read (expand3), so they are scanned the same way.
+ * expanded as they are read: to one code per nibble (expand3) for exact scores, and to a split layout of
+ * 3/4 as many nibbles (split3; tables of an additive approximation of the codebook, tqindex/lut.py) for
+ * the approximate stage.
  *
  * The scan quantizes T to uint8 per query (tq_quantize_tables: T ~= qmul * U + per-nibble offsets
  * summing to qadd), looks up 32 rows at once with `pshufb` on AVX2 for 3 queries per pass over a block
@@ -546,9 +548,10 @@ AVX2 static void transpose_block_avx2(const uint8_t *codes, int64_t nbytes, int6
     }
 }
 
-/* The same for 32 rows of 3-bit codes (row_bytes each, 8 codes in 3 bytes) into tb [nbytes][2][BLOCK],
- * code j in nibble j: the rows' bytes are transposed into raw [row_bytes rounded up to 24][BLOCK], then
- * each 3 bytes of 32 rows give 8 codes with byte-lane shifts (16-bit shifts, masked per byte). */
+/* The same for 32 rows of 3-bit codes (row_bytes each, 8 codes in 3 bytes) into tb [sbytes][2][BLOCK] in
+ * the split layout (see split3): the rows' bytes are transposed into raw [row_bytes rounded up to 24]
+ * [BLOCK], then each 3 bytes of 32 rows give 8 codes with byte-lane shifts (16-bit shifts, masked per
+ * byte), their 4 pair nibbles and 2 low-bit nibbles. */
 AVX2 static void transpose3_block_avx2(const uint8_t *codes, int64_t row_bytes, int64_t nbytes, int64_t r0,
                                        uint8_t *raw, uint8_t *tb) {
     for (int64_t p0 = 0; p0 < row_bytes; p0 += 8) {
@@ -556,8 +559,10 @@ AVX2 static void transpose3_block_avx2(const uint8_t *codes, int64_t row_bytes, 
         load_tile_avx2(codes + r0 * row_bytes + p0, row_bytes, x);
         for (int j = 0; j < 8; j++) _mm256_storeu_si256((__m256i *)(raw + (p0 + j) * BLOCK), x[j]);
     }
-    const __m256i m1 = _mm256_set1_epi8(1), m3 = _mm256_set1_epi8(3),
-                  m4 = _mm256_set1_epi8(4), m6 = _mm256_set1_epi8(6), m7 = _mm256_set1_epi8(7);
+    const int64_t npair = nbytes, nlow = (nbytes + 1) / 2;
+    const __m256i m1 = _mm256_set1_epi8(1), m2 = _mm256_set1_epi8(2), m3 = _mm256_set1_epi8(3),
+                  m4 = _mm256_set1_epi8(4), m6 = _mm256_set1_epi8(6), m7 = _mm256_set1_epi8(7),
+                  m8 = _mm256_set1_epi8(8), m12 = _mm256_set1_epi8(12);
     for (int64_t g = 0; 4 * g < nbytes; g++) {
         const uint8_t *r = raw + 3 * g * BLOCK;
         __m256i b0 = _mm256_loadu_si256((const __m256i *)r), b1 = _mm256_loadu_si256((const __m256i *)(r + BLOCK)),
@@ -571,9 +576,19 @@ AVX2 static void transpose3_block_avx2(const uint8_t *codes, int64_t row_bytes, 
         c[5] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b1, 7), m1), _mm256_and_si256(_mm256_slli_epi16(b2, 1), m6));
         c[6] = _mm256_and_si256(_mm256_srli_epi16(b2, 2), m7);
         c[7] = _mm256_and_si256(_mm256_srli_epi16(b2, 5), m7);
-        for (int i = 0; i < 8 && 8 * g + i < 2 * nbytes; i++)
-            _mm256_storeu_si256((__m256i *)(tb + (8 * g + i) * BLOCK), c[i]);
+        for (int i = 0; i < 4 && 4 * g + i < npair; i++)  /* codes 8g + 2i, 8g + 2i + 1 without their low bits */
+            _mm256_storeu_si256((__m256i *)(tb + (4 * g + i) * BLOCK),
+                                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c[2 * i], 1), m3),
+                                                _mm256_and_si256(_mm256_slli_epi16(c[2 * i + 1], 1), m12)));
+        for (int i = 0; i < 2 && 2 * g + i < nlow; i++) {  /* the low bits of codes 8g + 4i .. 8g + 4i + 3 */
+            const __m256i *q = c + 4 * i;
+            __m256i v = _mm256_or_si256(_mm256_or_si256(_mm256_and_si256(q[0], m1), _mm256_and_si256(_mm256_slli_epi16(q[1], 1), m2)),
+                                        _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(q[2], 2), m4),
+                                                        _mm256_and_si256(_mm256_slli_epi16(q[3], 3), m8)));
+            _mm256_storeu_si256((__m256i *)(tb + (npair + 2 * g + i) * BLOCK), v);
+        }
     }
+    if ((npair + nlow) % 2) memset(tb + (npair + nlow) * BLOCK, 0, BLOCK);  /* the empty last nibble */
 }
 #endif
 
@@ -624,7 +639,8 @@ static float row_dot(const uint8_t *row, const float *table, int64_t nbytes) {
 }
 
 /* Code rows: `row_bytes` bytes each, read as `nbytes` nibble-packed bytes (bits 4: as they are; bits 3:
- * a stream of 3-bit codes, expanded to one code per nibble). */
+ * a stream of 3-bit codes, expanded to one code per nibble, and by the approximate stage to the split
+ * layout of scan_nbytes(nbytes, 3) bytes). */
 typedef struct {
     const uint8_t *codes;   /* [n, row_bytes] */
     int64_t n, row_bytes, nbytes;
@@ -655,11 +671,32 @@ static inline const uint8_t *nibble_row(const rows_t *c, int64_t v, uint8_t *buf
     return buf;
 }
 
+/* Bytes per row the approximate stage scans: nbytes, or for 3-bit codes (nbytes = ceil(d/2)) the split
+ * layout's ceil(d/2) pair nibbles and ceil(d/4) low-bit nibbles. */
+static inline int64_t scan_nbytes(int64_t nbytes, int bits) {
+    return bits == 3 ? (nbytes + (nbytes + 1) / 2 + 1) / 2 : nbytes;
+}
+
+/* The split layout out [scan_nbytes(nbytes, 3)] of a row of 3-bit codes e [nbytes] (code j in nibble j):
+ * nibble t < nbytes holds code 2t >> 1 (bits 0-1) and code 2t + 1 >> 1 (bits 2-3), nibble nbytes + u
+ * (u < ceil(nbytes / 2)) the low bits of codes 4u .. 4u + 3 (bit j: code 4u + j); a last odd nibble is 0. */
+static void split3(const uint8_t *e, int64_t nbytes, uint8_t *out) {
+    const int64_t nlow = (nbytes + 1) / 2;
+    memset(out, 0, (size_t)scan_nbytes(nbytes, 3));
+    for (int64_t t = 0; t < nbytes; t++)
+        out[t >> 1] |= (uint8_t)((((e[t] >> 1) & 3) | (((e[t] >> 5) & 3) << 2)) << (4 * (t & 1)));
+    for (int64_t u = 0; u < nlow; u++) {
+        uint8_t a = e[2 * u], b = 2 * u + 1 < nbytes ? e[2 * u + 1] : 0;
+        int64_t t = nbytes + u;
+        out[t >> 1] |= (uint8_t)(((a & 1) | ((a >> 3) & 2) | ((b & 1) << 2) | ((b >> 1) & 8)) << (4 * (t & 1)));
+    }
+}
+
 /* Bytes of scratch load_block needs. */
 static int64_t block_scratch(int64_t nbytes) { return BLOCK * (nbytes + 8) + 8; }
 
-/* Transposes rows [r0, r0 + cnt) into tb [nbytes][2][BLOCK] (see transpose_block); 3-bit rows go
- * through xb [block_scratch(nbytes)]. */
+/* Transposes rows [r0, r0 + cnt) as the approximate stage reads them into tb [scan_nbytes][2][BLOCK] (see
+ * transpose_block); 3-bit rows go through xb [block_scratch(nbytes)]. */
 static void load_block(const rows_t *c, int64_t r0, int cnt, int simd, uint8_t *xb, uint8_t *tb) {
     if (c->bits == 4) {
         transpose_block(c->codes, c->nbytes, r0, cnt, c->n * c->nbytes, simd, tb);
@@ -671,8 +708,10 @@ static void load_block(const rows_t *c, int64_t r0, int cnt, int simd, uint8_t *
         return;
     }
 #endif
-    for (int i = 0; i < cnt; i++) nibble_row(c, r0 + i, xb + i * c->nbytes);
-    transpose_block(xb, c->nbytes, 0, cnt, 0, 0, tb);
+    const int64_t sb = scan_nbytes(c->nbytes, 3);
+    uint8_t *e = xb + BLOCK * sb;  /* one row, one code per nibble */
+    for (int i = 0; i < cnt; i++) split3(nibble_row(c, r0 + i, e), c->nbytes, xb + i * sb);
+    transpose_block(xb, sb, 0, cnt, 0, 0, tb);
 }
 
 /* What one scan of code rows shares: the rows, the query tables and transposition buffers. */
@@ -680,13 +719,13 @@ typedef struct {
     rows_t rows;
     const float *scale;     /* [n] */
     const float *sq_table;  /* [2 nbytes, 16] or NULL */
-    const uint8_t *qtab;    /* [nq, 2 nbytes, 16] */
+    const uint8_t *qtab;    /* [nq, 2 sbytes, 16], sbytes = scan_nbytes(nbytes, bits) */
     const float *qmul, *qadd, *qoffset;
     scan_fn scan;
     int simd;
     int64_t group;          /* blocks transposed together, at most GROUP */
     int64_t row_tag;        /* added to the row numbers entering the reservoirs */
-    uint8_t *tb;            /* [group][nbytes][2][BLOCK] */
+    uint8_t *tb;            /* [group][sbytes][2][BLOCK] */
     uint8_t *xb;            /* [block_scratch(nbytes)] for 3-bit rows */
     uint8_t *row;           /* [nbytes] one expanded 3-bit row */
 } scan_t;
@@ -696,7 +735,8 @@ typedef struct {
  * they are in the L1 cache). */
 static void scan_blocks(const scan_t *c, int64_t first, int64_t stride, const int64_t *qidx, reservoir_t *res,
                         int64_t m) {
-    const int64_t n = c->rows.n, nbytes = c->rows.nbytes, nblocks = (n + BLOCK - 1) / BLOCK, tsize = 2 * nbytes * 16;
+    const int64_t n = c->rows.n, nbytes = c->rows.nbytes, nblocks = (n + BLOCK - 1) / BLOCK;
+    const int64_t sb = scan_nbytes(nbytes, c->rows.bits), tsize = 2 * sb * 16;
     float sp[GROUP][BLOCK], bp[GROUP][BLOCK];
     block_t blk[GROUP];
     query_t qg[QGROUP];
@@ -705,7 +745,7 @@ static void scan_blocks(const scan_t *c, int64_t first, int64_t stride, const in
         for (; nblk < c->group && b0 + nblk * stride < nblocks; nblk++) {
             int64_t r0 = (b0 + nblk * stride) * BLOCK;
             int cnt = n - r0 < BLOCK ? (int)(n - r0) : BLOCK;
-            uint8_t *tbb = c->tb + nblk * 2 * BLOCK * nbytes;
+            uint8_t *tbb = c->tb + nblk * 2 * BLOCK * sb;
             load_block(&c->rows, r0, cnt, c->simd, c->xb, tbb);
             for (int i = 0; i < BLOCK; i++) {
                 int v = PERM[i];
@@ -724,7 +764,7 @@ static void scan_blocks(const scan_t *c, int64_t first, int64_t stride, const in
                 qg[j] = (query_t){c->qtab + q * tsize, c->qmul[q], c->qadd[q], c->qoffset ? c->qoffset[q] : 0.f,
                                   res + q};
             }
-            for (int b = 0; b < nblk; b++) c->scan(blk + b, qg, nqb, nbytes);
+            for (int b = 0; b < nblk; b++) c->scan(blk + b, qg, nqb, sb);
         }
     }
 }
@@ -761,8 +801,9 @@ static int64_t blocks_per_group(int64_t nbytes) {
  * `depth` rows above t is scanned again without it, so the result never depends on the estimate.
  *
  * codes [n, row_bytes] uint8, read as nbytes nibble-packed bytes (bits 4: row_bytes = nbytes) or as
- * 3-bit codes (bits 3, one per nibble); scale [n] float; sq_table [2 nbytes, 16] float or NULL; qtab
- * [nq, 2 nbytes, 16] uint8 (entries <= 127) with qmul, qadd [nq]; qoffset [nq] or NULL.
+ * 3-bit codes (bits 3; nbytes = ceil(d/2)), scanned in the split layout; scale [n] float; sq_table
+ * [2 nbytes, 16] float or NULL (exact, one 3-bit code per nibble); qtab [nq, 2 sbytes, 16] uint8 (entries
+ * <= 127, sbytes = scan_nbytes(nbytes, bits)) with qmul, qadd [nq]; qoffset [nq] or NULL.
  * allow_simd = 0 forces the portable loop. */
 int tq_fastscan_candidates(const uint8_t *codes, int64_t n, int64_t row_bytes, int64_t nbytes, int bits,
                            const float *scale, const float *sq_table, int64_t nq, const uint8_t *qtab,
@@ -772,7 +813,7 @@ int tq_fastscan_candidates(const uint8_t *codes, int64_t n, int64_t row_bytes, i
     if (n <= 0 || nq <= 0 || depth <= 0) return 0;
     scan_fn scan = pick_scan(allow_simd);
     int simd = scan != scan_block_generic;
-    const int64_t tsize = 2 * nbytes * 16, cap = 2 * depth, nblocks = (n + BLOCK - 1) / BLOCK;
+    const int64_t sb = scan_nbytes(nbytes, bits), tsize = 2 * sb * 16, cap = 2 * depth, nblocks = (n + BLOCK - 1) / BLOCK;
     const int64_t stride = depth / SAMPLE_HITS;
     int64_t sample_keep = 0;  /* the rank taken among the sampled blocks' best scores */
     if (stride >= MIN_SAMPLE_STRIDE) {
@@ -784,7 +825,7 @@ int tq_fastscan_candidates(const uint8_t *codes, int64_t n, int64_t row_bytes, i
      * again). */
     int64_t table_bytes = cache_bytes(2) / 4 * 3;
     table_bytes = table_bytes < (96 << 10) ? 96 << 10 : table_bytes > (3 << 19) ? 3 << 19 : table_bytes;
-    const int64_t group = blocks_per_group(nbytes);
+    const int64_t group = blocks_per_group(sb);
     int64_t chunk = table_bytes / tsize;
     chunk = chunk < QGROUP ? QGROUP : chunk;
     chunk = (nq + (nq + chunk - 1) / chunk - 1) / ((nq + chunk - 1) / chunk);  /* equal chunks */
@@ -793,7 +834,7 @@ int tq_fastscan_candidates(const uint8_t *codes, int64_t n, int64_t row_bytes, i
     int64_t *rrow, *qidx, *ridx;
     reservoir_t *res;
     int32_t *tmp;
-    const size_t sizes[] = {(size_t)(group * 2 * BLOCK * nbytes), (size_t)block_scratch(nbytes), (size_t)nbytes,
+    const size_t sizes[] = {(size_t)(group * 2 * BLOCK * sb), (size_t)block_scratch(nbytes), (size_t)nbytes,
                             sizeof(float) * (size_t)(chunk * cap), sizeof(float) * (size_t)chunk,
                             sizeof(int64_t) * (size_t)(chunk * cap), sizeof(int64_t) * (size_t)chunk,
                             sizeof(int64_t) * (size_t)chunk, sizeof(reservoir_t) * (size_t)chunk,
@@ -907,9 +948,32 @@ static int merge_query(const source_t *src, const float *ft, const float *sq_tab
     return 0;
 }
 
+/* Rows of one query's float tables: 2 nbytes exact ones, then for 3-bit codes the 2 scan_nbytes of the
+ * approximate stage (the layout of fastscan.table_layout). */
+static inline int64_t table_rows(int64_t nbytes, int bits) {
+    return 2 * nbytes + (bits == 3 ? 2 * scan_nbytes(nbytes, bits) : 0);
+}
+
+/* The float tables ftab [nq, table_rows, 16] of the rotated queries qs [nq, dim] (tq_nibble_tables with the
+ * layout coord, bank_of, bank) and the approximate stage's quantized tables qtab [nq, 2 scan_nbytes, 16],
+ * qmul, qadd [nq] (tq_quantize_tables). */
+static void query_tables(const float *qs, int64_t nq, int64_t dim, const int32_t *coord, const int32_t *bank_of,
+                         const float *bank, int64_t nbytes, int bits, float *ftab, uint8_t *qtab, float *qmul,
+                         float *qadd) {
+    const int64_t rows = table_rows(nbytes, bits), scan_rows = 2 * scan_nbytes(nbytes, bits);
+    tq_nibble_tables(qs, nq, dim, coord, bank_of, bank, rows, ftab);
+    if (rows == scan_rows) {
+        tq_quantize_tables(ftab, nq, rows, qtab, qmul, qadd);
+        return;
+    }
+    for (int64_t i = 0; i < nq; i++)
+        tq_quantize_tables(ftab + (i * rows + 2 * nbytes) * 16, 1, scan_rows, qtab + i * scan_rows * 16, qmul + i,
+                           qadd + i);
+}
+
 /* Scans code rows [0, n) for nq queries (see the file comment): the float tables ftab [nq, 2 nbytes, 16]
- * of the rotated queries qs [nq, dim] are built (tq_nibble_tables, with the layout coord, bank_of, bank)
- * and quantized (tq_quantize_tables), approximate candidates found (tq_fastscan_candidates, which says
+ * [nq, table_rows, 16] of the rotated queries qs [nq, dim] are built and the approximate stage's quantized
+ * (query_tables), approximate candidates found (tq_fastscan_candidates, which says
  * how rows are read), re-scored exactly with ftab and merged into heap row rows[i] (i when rows is NULL)
  * of heap_val / heap_ids [*, k], labelled labels[row] (label_base + row when labels is NULL). A heap
  * row that held nothing (all -inf) receives its best k in ascending order, itself a valid min-heap.
@@ -922,14 +986,15 @@ int tq_fastscan(const uint8_t *codes, int64_t n, int64_t row_bytes, int64_t nbyt
                 int allow_simd) {
     if (n <= 0 || nq <= 0) return 0;
     if (depth > n) depth = n;
+    const int64_t tsize = table_rows(nbytes, bits) * 16, qsize = 2 * scan_nbytes(nbytes, bits) * 16;
     float *ftab, *cval, *qmul, *qadd;
     int64_t *crow;
     uint8_t *qtab;
     merge_t w;
-    const size_t sizes[] = {sizeof(float) * (size_t)(nq * 2 * nbytes * 16), sizeof(float) * (size_t)(nq * depth),
+    const size_t sizes[] = {sizeof(float) * (size_t)(nq * tsize), sizeof(float) * (size_t)(nq * depth),
                             sizeof(float) * (size_t)nq, sizeof(float) * (size_t)nq, sizeof(float) * (size_t)depth,
                             sizeof(int64_t) * (size_t)(nq * depth), sizeof(int64_t) * (size_t)depth,
-                            sizeof(int64_t) * (size_t)depth, (size_t)(nq * 2 * nbytes * 16), (size_t)nbytes,
+                            sizeof(int64_t) * (size_t)depth, (size_t)(nq * qsize), (size_t)nbytes,
                             sizeof(int32_t) * (size_t)(depth + 8)};
     void **const ptrs[] = {(void **)&ftab, (void **)&cval, (void **)&qmul, (void **)&qadd, (void **)&w.ex,
                            (void **)&crow, (void **)&w.eid, (void **)&w.rank, (void **)&qtab, (void **)&w.buf,
@@ -939,14 +1004,13 @@ int tq_fastscan(const uint8_t *codes, int64_t n, int64_t row_bytes, int64_t nbyt
     const source_t src = {&codes_, &scale, &labels, &label_base};
     const int simd = allow_simd && cpu_avx2();
     int heaps_only = 0;
-    tq_nibble_tables(qs, nq, dim, coord, bank_of, bank, 2 * nbytes, ftab);
-    tq_quantize_tables(ftab, nq, 2 * nbytes, qtab, qmul, qadd);
+    query_tables(qs, nq, dim, coord, bank_of, bank, nbytes, bits, ftab, qtab, qmul, qadd);
     int status = tq_fastscan_candidates(codes, n, row_bytes, nbytes, bits, scale, sq_table, nq, qtab, qmul, qadd,
                                         qoffset, depth, cval, crow, allow_simd);
     for (int64_t q = 0; status == 0 && q < nq; q++) {
-        const float *ft = ftab + q * 2 * nbytes * 16;
-        if (q + 1 < nq)  /* the next query's float tables, from a cache level further out */
-            for (int64_t l = 0; l < 2 * nbytes * 16; l += 16) __builtin_prefetch(ft + 2 * nbytes * 16 + l);
+        const float *ft = ftab + q * tsize;
+        if (q + 1 < nq)  /* the next query's exact tables, from a cache level further out */
+            for (int64_t l = 0; l < 2 * nbytes * 16; l += 16) __builtin_prefetch(ft + tsize + l);
         int64_t hrow = rows ? rows[q] : q;
         heaps_only |= merge_query(&src, ft, sq_table, nbytes, qoffset ? qoffset[q] : 0.f, crow + q * depth, depth, k,
                                   heap_val + hrow * k, heap_ids + hrow * k, &w, simd);
@@ -970,7 +1034,8 @@ int tq_fastscan_lists(int64_t nl, const uint8_t *const *codes, const int64_t *n,
     if (nq <= 0 || nl <= 0 || depth <= 0) return 0;
     const scan_fn scan = pick_scan(allow_simd);
     const int simd = scan != scan_block_generic;
-    const int64_t tsize = 2 * nbytes * 16, cap = 2 * depth, group = blocks_per_group(nbytes);
+    const int64_t sb = scan_nbytes(nbytes, bits), tsize = table_rows(nbytes, bits) * 16, qsize = 2 * sb * 16;
+    const int64_t cap = 2 * depth, group = blocks_per_group(sb);
     float *ftab, *qmul, *qadd, *rval;
     int64_t *rrow, *qidx;
     uint8_t *qtab, *tb, *xb, *row;
@@ -978,11 +1043,11 @@ int tq_fastscan_lists(int64_t nl, const uint8_t *const *codes, const int64_t *n,
     reservoir_t *res;
     rows_t *lists;
     merge_t w;
-    const size_t sizes[] = {sizeof(float) * (size_t)(nq * tsize), (size_t)(nq * tsize), sizeof(float) * (size_t)nq,
+    const size_t sizes[] = {sizeof(float) * (size_t)(nq * tsize), (size_t)(nq * qsize), sizeof(float) * (size_t)nq,
                             sizeof(float) * (size_t)nq, sizeof(float) * (size_t)(nq * cap),
                             sizeof(int64_t) * (size_t)(nq * cap), sizeof(int64_t) * (size_t)nq,
                             sizeof(reservoir_t) * (size_t)nq, sizeof(int32_t) * (size_t)cap,
-                            (size_t)(group * 2 * BLOCK * nbytes), (size_t)block_scratch(nbytes), (size_t)nbytes,
+                            (size_t)(group * 2 * BLOCK * sb), (size_t)block_scratch(nbytes), (size_t)nbytes,
                             sizeof(rows_t) * (size_t)nl, sizeof(float) * (size_t)depth,
                             sizeof(int64_t) * (size_t)depth, sizeof(int64_t) * (size_t)depth,
                             sizeof(int32_t) * (size_t)(depth + 8), (size_t)nbytes};
@@ -991,8 +1056,7 @@ int tq_fastscan_lists(int64_t nl, const uint8_t *const *codes, const int64_t *n,
                            (void **)&row, (void **)&lists, (void **)&w.ex, (void **)&w.eid, (void **)&w.rank,
                            (void **)&w.key, (void **)&w.buf};
     if (arena_get(0, 18, sizes, ptrs)) return -1;
-    tq_nibble_tables(qs + q0 * dim, nq, dim, coord, bank_of, bank, 2 * nbytes, ftab);
-    tq_quantize_tables(ftab, nq, 2 * nbytes, qtab, qmul, qadd);
+    query_tables(qs + q0 * dim, nq, dim, coord, bank_of, bank, nbytes, bits, ftab, qtab, qmul, qadd);
     for (int64_t i = 0; i < nq; i++)
         res[i] = (reservoir_t){rval + i * cap, rrow + i * cap, 0, depth, -INFINITY, tmp, simd, 0};
     for (int64_t l = 0; l < nl; l++) {
