@@ -592,18 +592,9 @@ AVX2 static void transpose3_block_avx2(const uint8_t *codes, int64_t row_bytes, 
 }
 #endif
 
-/* Transposes rows [r0, r0 + cnt) (cnt <= BLOCK) of codes [*, nbytes] (`avail` bytes readable from
- * `codes`) into tb [nbytes][2][BLOCK], the low and high nibbles of each position apart (missing rows
- * are zero), 8 x 8 byte tiles at a time. */
-static void transpose_block(const uint8_t *codes, int64_t nbytes, int64_t r0, int cnt, int64_t avail, int simd,
-                            uint8_t *tb) {
-#ifdef TQ_X86
-    if (simd && cnt == BLOCK && (r0 + BLOCK) * nbytes + 8 <= avail) {
-        transpose_block_avx2(codes, nbytes, r0, tb);
-        return;
-    }
-#endif
-    (void)simd, (void)avail;
+/* Transposes rows [r0, r0 + cnt) (cnt <= BLOCK) of codes [*, nbytes] into tb [nbytes][2][BLOCK], the
+ * low and high nibbles of each position apart (missing rows are zero), 8 x 8 byte tiles at a time. */
+static void transpose_block(const uint8_t *codes, int64_t nbytes, int64_t r0, int cnt, uint8_t *tb) {
     for (int g = 0; g < BLOCK; g += 8) {
         for (int64_t p0 = 0; p0 < nbytes; p0 += 8) {
             int w = nbytes - p0 < 8 ? (int)(nbytes - p0) : 8, rows = cnt - g < 8 ? cnt - g : 8;
@@ -692,26 +683,38 @@ static void split3(const uint8_t *e, int64_t nbytes, uint8_t *out) {
     }
 }
 
-/* Bytes of scratch load_block needs. */
-static int64_t block_scratch(int64_t nbytes) { return BLOCK * (nbytes + 8) + 8; }
+/* Bytes of scratch load_block needs: a zero-padded copy of a block's rows, then the raw transposition
+ * of 3-bit rows (or their split rows and one expanded row). */
+static int64_t block_scratch(int64_t nbytes) { return 2 * BLOCK * (nbytes + 8) + 16; }
 
 /* Transposes rows [r0, r0 + cnt) as the approximate stage reads them into tb [scan_nbytes][2][BLOCK] (see
- * transpose_block); 3-bit rows go through xb [block_scratch(nbytes)]. */
+ * transpose_block), with scratch xb [block_scratch(nbytes)]. With AVX2, a block of fewer than BLOCK rows,
+ * or one whose tile loads would read past the last row (8 bytes at a time), is first copied into xb,
+ * zero-padded (an IVF list ends in such a block). */
 static void load_block(const rows_t *c, int64_t r0, int cnt, int simd, uint8_t *xb, uint8_t *tb) {
-    if (c->bits == 4) {
-        transpose_block(c->codes, c->nbytes, r0, cnt, c->n * c->nbytes, simd, tb);
-        return;
-    }
+    const int64_t rb = c->row_bytes;
 #ifdef TQ_X86
-    if (simd && cnt == BLOCK && (r0 + BLOCK) * c->row_bytes + 8 <= c->n * c->row_bytes) {
-        transpose3_block_avx2(c->codes, c->row_bytes, c->nbytes, r0, xb, tb);
+    if (simd) {
+        const uint8_t *src = c->codes + r0 * rb;
+        if (cnt < BLOCK || (r0 + BLOCK) * rb + 8 > c->n * rb) {
+            memcpy(xb, src, (size_t)(cnt * rb));
+            memset(xb + cnt * rb, 0, (size_t)((BLOCK - cnt) * rb + 8));
+            src = xb;
+        }
+        if (c->bits == 4) transpose_block_avx2(src, rb, 0, tb);
+        else transpose3_block_avx2(src, rb, c->nbytes, 0, xb + BLOCK * rb + 8, tb);
         return;
     }
 #endif
+    (void)simd;
+    if (c->bits == 4) {
+        transpose_block(c->codes, rb, r0, cnt, tb);
+        return;
+    }
     const int64_t sb = scan_nbytes(c->nbytes, 3);
     uint8_t *e = xb + BLOCK * sb;  /* one row, one code per nibble */
     for (int i = 0; i < cnt; i++) split3(nibble_row(c, r0 + i, e), c->nbytes, xb + i * sb);
-    transpose_block(xb, sb, 0, cnt, 0, 0, tb);
+    transpose_block(xb, sb, 0, cnt, tb);
 }
 
 /* What one scan of code rows shares: the rows, the query tables and transposition buffers. */
@@ -726,7 +729,7 @@ typedef struct {
     int64_t group;          /* blocks transposed together, at most GROUP */
     int64_t row_tag;        /* added to the row numbers entering the reservoirs */
     uint8_t *tb;            /* [group][sbytes][2][BLOCK] */
-    uint8_t *xb;            /* [block_scratch(nbytes)] for 3-bit rows */
+    uint8_t *xb;            /* [block_scratch(nbytes)] load_block scratch */
     uint8_t *row;           /* [nbytes] one expanded 3-bit row */
 } scan_t;
 
