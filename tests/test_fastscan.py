@@ -55,6 +55,20 @@ def test_compiled_nibble_tables_equal_the_reference(name, dim):
     torch.testing.assert_close(fs.compiled_nibble_tables(lut, qs), want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("m,n", [(300, 1024), (7, 33), (5, 1)])
+def test_top_columns_equal_torch_topk(m, n):
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(m, n, generator=g)
+    for k in sorted({1, 2, 16, 64, n} & set(range(1, n + 1))):
+        val, col = fs.top_columns(x, k)
+        want = torch.topk(x, k, dim=1)
+        assert torch.equal(val, want.values) and torch.equal(x.gather(1, col), val)
+    ties = torch.randint(0, 3, (40, n), generator=g).float()  # of equal values the earlier column first
+    val, col = fs.top_columns(ties, min(7, n))
+    for i in range(40):
+        assert col[i].tolist() == sorted(range(n), key=lambda j: (-ties[i, j].item(), j))[: min(7, n)]
+
+
 @pytest.mark.parametrize("dim", [50, 5, 8, 13, 600])
 def test_split_layout_approximates_3_bit_scores(dim):
     """The approximate stage's rows and tables of 3-bit codes give sum_i q_i (A[t_i] + (l_i - 1/2) D) for

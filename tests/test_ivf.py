@@ -129,12 +129,13 @@ def test_ids_remove_and_filter(metric, nq):
     assert_matches(D, I, ref[:, allowed], ids[allowed], 30, metric)
 
 
-def test_keep_vectors_rerank_exact():
+@pytest.mark.parametrize("by_residual", [True, False])  # False: the compiled list scan, rows by place
+def test_keep_vectors_rerank_exact(by_residual):
     x, q = data(1000, 50), data(5, 50, 1)
-    ivf = trained("l2", True, x, keep_vectors=True, rerank_factor=4)
-    ivf.add(x)
+    ivf = trained("l2", by_residual, x, keep_vectors=True, rerank_factor=4)
+    ivf.add(x, ids=np.arange(1000) * 2 + 5)
     D, I = ivf.search(q, 6, nprobe=NLIST)
-    exact = ((q[:, None] - x[I]) ** 2).sum(-1)
+    exact = ((q[:, None] - x[(I - 5) // 2]) ** 2).sum(-1)
     np.testing.assert_allclose(D, exact, rtol=1e-5, atol=1e-4)
     assert (np.diff(D, axis=1) >= 0).all()
 

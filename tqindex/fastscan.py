@@ -180,6 +180,23 @@ def kernel_candidates(lut: LookupTables, qdata: Tensor, scale: Tensor, sq_table:
     return val, row.gather(1, order)
 
 
+def top_columns(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The k largest entries of each row of x float32 [m, n] (1 <= k <= n, no NaN), best first, found by
+    the compiled kernel on up to ``torch.get_num_threads()`` threads -> (values float32 [m, k], columns
+    int64 [m, k]); of equal values the earlier column comes first. ``torch.topk(x, k)`` is the reference."""
+    lib, x = native.require(), x.float().contiguous()
+    m, n = x.shape
+    val, col = torch.empty(m, k), torch.empty(m, k, dtype=torch.int64)
+    threads = max(1, min(torch.get_num_threads(), m * n // MIN_THREAD_SCORES))
+    cuts = np.linspace(0, m, threads + 1).astype(int).tolist()
+
+    def call(a: int, b: int) -> int:
+        return lib.tq_top_columns(x[a:].data_ptr(), b - a, n, k, val[a:].data_ptr(), col[a:].data_ptr())
+
+    native.parallel(call, [(a, b) for a, b in zip(cuts[:-1], cuts[1:]) if b > a], threads)
+    return val, col
+
+
 def candidate_depth(k: int) -> int:
     """Approximate candidates kept per query for an exact top-k: a margin of max(16, k) over k."""
     return k + max(16, k)

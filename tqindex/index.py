@@ -192,6 +192,7 @@ class BlockScan:
     lut: LookupTables | None = None  # the encoder's tables builder, where it has one
     bar: tqdm | None = None
     fast: FastScan | None = None  # the compiled scan, where it serves the encoder
+    labels_are_ids: bool = False  # ``top`` holds ids, not labels (set by a scan that labels rows by id)
 
     def __post_init__(self) -> None:
         lut_all = self.lut is not None and self.few and self.fast is None
@@ -415,7 +416,7 @@ class BaseIndex(ABC):
                 if self.keep_vectors:
                     values, labels = self._rerank(chunk, values, labels, k)
                 parts.append((chunk.square().sum(1, keepdim=True) - values if scan.l2 else values,
-                              self._ids_of(labels)))
+                              labels if scan.labels_are_ids else self._ids_of(labels)))
             bar.total = bar.n  # the work estimate is exact only without ``allow``
         if len(parts) == 1:
             D, I = parts[0]

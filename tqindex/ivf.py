@@ -25,7 +25,7 @@ from torch import Tensor
 
 from .codes import Codes
 from .encoder import Encoder
-from .fastscan import CodeLists
+from .fastscan import CodeLists, top_columns
 from .index import DECODE_ELEMENTS, LIST_SHIFT, TILE_BYTES, BaseIndex, BlockScan, check_int, selected_rows
 from .io import register_index_type
 
@@ -118,6 +118,7 @@ class IVFIndex(BaseIndex):
         if self.centroids is None:
             raise ValueError("IVFIndex must be trained (index.train(x)) before add or search")
         step = max(1, TILE_BYTES // (4 * self.nlist))
+        top = top_columns if self.compiled_scan else lambda s, k: torch.topk(s, k, dim=1)
         scores, lists = [], []
         for i in range(0, len(x), step):
             xb = x[i : i + step]
@@ -125,7 +126,7 @@ class IVFIndex(BaseIndex):
                 s = torch.addmm(self._centroid_norms2, xb, self.centroids.T, beta=-1, alpha=2)
             else:
                 s = xb @ self.centroids.T  # [b, nlist]
-            v, j = torch.topk(s, nprobe, dim=1)
+            v, j = top(s, nprobe)
             scores.append(xb.square().sum(1, keepdim=True) - v if self.metric == "l2" else v)
             lists.append(j)
         return torch.cat(scores), torch.cat(lists)
@@ -150,16 +151,18 @@ class IVFIndex(BaseIndex):
         order = torch.argsort(lists.reshape(-1), stable=True)  # (query, list) pairs grouped by list
         nos, counts = torch.unique_consecutive(lists.reshape(-1)[order], return_counts=True)
         rows, split = order // nprobe, counts.tolist()  # the queries of each list, ascending
-        if compiled:
+        if compiled:  # rows labelled by id, unless re-ranking needs their place
+            scan.labels_are_ids = not self.keep_vectors
             if allowed is None:  # every list, each probed by its queries (none for most)
-                code_lists = self._code_lists()
+                code_lists = self._code_lists(scan.labels_are_ids)
                 start = F.pad(torch.bincount(lists.reshape(-1), minlength=self.nlist), (1, 0))
             else:  # the probed lists, their rows in ``allowed``
                 runs = []
                 for no in nos.tolist():
                     lst, base = self._lists[no], no << LIST_SHIFT
                     select = selected_rows(lst.live_ids, allowed) if lst.size else None
-                    runs.append((None, base) if not lst.size else (lst.live_codes[select], select + base))
+                    labels = (lst.live_ids[select] if scan.labels_are_ids else select + base) if lst.size else base
+                    runs.append((lst.live_codes[select] if lst.size else None, labels))
                 code_lists, start = CodeLists(runs), F.pad(counts, (1, 0))
             start = start.cumsum(0)
             scan.fast.run_lists(scan.qs, code_lists, start, rows, scan.top, scan.l2)
@@ -177,13 +180,14 @@ class IVFIndex(BaseIndex):
                 shift = 2 * self._centroids_rot[no] if self.by_residual and scan.l2 else None  # ... + 2<q - c, r̂> - ||r̂||²
                 scan.run(lst.live_codes, no << LIST_SHIFT, select, list_rows, offset, shift)
 
-    def _code_lists(self) -> CodeLists:
-        """Every list as the compiled scan reads it, rebuilt when the lists change (add and remove
-        replace ``_lists``)."""
-        if self._code_lists_cache[0] is not self._lists:
-            runs = [(lst.live_codes if lst.size else None, no << LIST_SHIFT) for no, lst in enumerate(self._lists)]
-            self._code_lists_cache = (self._lists, CodeLists(runs))
-        return self._code_lists_cache[1]
+    def _code_lists(self, by_id: bool) -> CodeLists:
+        """Every list as the compiled scan reads it, its rows labelled by id (``by_id``) or by list and row,
+        rebuilt when the lists change (add and remove replace ``_lists``)."""
+        if self._code_lists_cache[0] is not self._lists or self._code_lists_cache[1] != by_id:
+            runs = [(lst.live_codes, lst.live_ids if by_id else no << LIST_SHIFT) if lst.size else (None, 0)
+                    for no, lst in enumerate(self._lists)]
+            self._code_lists_cache = (self._lists, by_id, CodeLists(runs))
+        return self._code_lists_cache[2]
 
     def _scan_together(self, scan: BlockScan, coarse: Tensor, lists: Tensor, allowed: Tensor | None) -> None:
         """Few queries: the probed lists are scanned together, DECODE_ELEMENTS coordinates at a time, for

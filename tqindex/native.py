@@ -24,6 +24,7 @@ _SIGNATURES = {
     "tq_fastscan_simd": (_C, []),
     "tq_nibble_tables": (None, [_P, _I, _I, _P, _P, _P, _I, _P]),
     "tq_quantize_tables": (None, [_P, _I, _I, _P, _P, _P]),
+    "tq_top_columns": (_C, [_P, _I, _I, _I, _P, _P]),
     "tq_quantize_direction": (_C, [_P, _I, _I, _P, _I, _I, _P, _P, _P, _P, _P, _P, _P, _C]),
 }
 

@@ -61,14 +61,18 @@ static const uint8_t PERM[BLOCK] = {0, 2,  4,  6,  8,  10, 12, 14, 16, 18, 20, 2
 
 /* ---------------------------------------------------------------------------------------- heaps */
 
-/* Replace the root of a min-heap of k (value, id) pairs by (v, id) and sift it down. */
+/* (va, ia) ranks below (vb, ib): a smaller value, or an equal value and a larger id. */
+static inline int worse(float va, int64_t ia, float vb, int64_t ib) { return va < vb || (va == vb && ia > ib); }
+
+/* Replace the root of a min-heap of k (value, id) pairs (the root ranks lowest, see `worse`) by (v, id)
+ * and sift it down. */
 static void heap_replace_top(float *val, int64_t *ids, int64_t k, float v, int64_t id) {
     int64_t i = 0;
     for (;;) {
         int64_t l = 2 * i + 1, r = l + 1, c;
         if (l >= k) break;
-        c = (r < k && val[r] < val[l]) ? r : l;
-        if (val[c] >= v) break;
+        c = (r < k && worse(val[r], ids[r], val[l], ids[l])) ? r : l;
+        if (!worse(val[c], ids[c], v, id)) break;
         val[i] = val[c];
         ids[i] = ids[c];
         i = c;
@@ -1084,4 +1088,67 @@ int tq_fastscan_lists(int64_t nl, const uint8_t *const *codes, const int64_t *n,
     }
     arena_done(0);
     return heaps_only;
+}
+
+/* ------------------------------------------------------------------------------- top columns */
+
+#ifdef TQ_X86
+/* The entries >= t of row [n] and their columns into cv, cc in column order, 8 columns at a time up to
+ * *end (where the caller goes on); returns how many. */
+AVX2 static int64_t at_least_avx2(const float *row, int64_t n, float t, float *cv, int64_t *cc, int64_t *end) {
+    const __m256 tv = _mm256_set1_ps(t);
+    int64_t cnt = 0, j = 0;
+    for (; j + 8 <= n; j += 8) {
+        unsigned mask = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + j), tv, _CMP_GE_OQ));
+        for (; mask; mask &= mask - 1) {
+            int b = __builtin_ctz(mask);
+            cv[cnt] = row[j + b], cc[cnt++] = j + b;
+        }
+    }
+    *end = j;
+    return cnt;
+}
+#endif
+
+/* The k largest entries of each row of x [m, n] (1 <= k <= n, no NaN), best first, into val [m, k] and
+ * their columns into col [m, k]; of equal values the earlier column ranks first. Per row: t = the
+ * smallest of the maxima of k column groups (k entries are >= t, so is the k-th largest), then a heap
+ * over the entries >= t only. Returns -1 when out of memory, else 0. */
+int tq_top_columns(const float *x, int64_t m, int64_t n, int64_t k, float *val, int64_t *col) {
+    float *cv = malloc(sizeof(float) * (size_t)n);
+    int64_t *cc = malloc(sizeof(int64_t) * (size_t)n);
+    if (!cv || !cc) {
+        free(cv), free(cc);
+        return -1;
+    }
+    const int64_t per = n / k;
+    const int simd = cpu_avx2();
+    for (int64_t i = 0; i < m; i++) {
+        const float *row = x + i * n;
+        float *v = val + i * k, t = INFINITY;
+        int64_t *c = col + i * k, cnt = 0;
+        memcpy(cv, row, sizeof(float) * (size_t)k);  /* group g: columns g, g + k, g + 2k, ... */
+        for (int64_t r = 1; r < per; r++)
+            for (int64_t g = 0; g < k; g++) cv[g] = row[r * k + g] > cv[g] ? row[r * k + g] : cv[g];
+        for (int64_t g = 0; g < k; g++) t = cv[g] < t ? cv[g] : t;
+        int64_t j = 0;
+#ifdef TQ_X86
+        if (simd) cnt = at_least_avx2(row, n, t, cv, cc, &j);
+#endif
+        for (; j < n; j++) {  /* the entries >= t, in column order */
+            cv[cnt] = row[j], cc[cnt] = j;
+            cnt += row[j] >= t;
+        }
+        for (int64_t j = 0; j < k; j++) v[j] = -INFINITY, c[j] = INT64_MAX;  /* ranks below every entry */
+        for (j = 0; j < cnt; j++)
+            if (worse(v[0], c[0], cv[j], cc[j])) heap_replace_top(v, c, k, cv[j], cc[j]);
+        for (int64_t e = k - 1; e > 0; e--) {  /* heap sort: the lowest ranked moves to the end */
+            float tv = v[e];
+            int64_t tc = c[e];
+            v[e] = v[0], c[e] = c[0];
+            heap_replace_top(v, c, e, tv, tc);
+        }
+    }
+    free(cv), free(cc);
+    return 0;
 }
