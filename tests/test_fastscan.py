@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 import tqindex as tq
 import tqindex.fastscan as fs
@@ -67,6 +68,16 @@ def test_top_columns_equal_torch_topk(m, n):
     val, col = fs.top_columns(ties, min(7, n))
     for i in range(40):
         assert col[i].tolist() == sorted(range(n), key=lambda j: (-ties[i, j].item(), j))[: min(7, n)]
+
+
+@pytest.mark.parametrize("m,p,nl", [(1000, 16, 1024), (3, 5, 5), (1, 1, 4)])
+def test_group_pairs_equals_a_stable_sort(m, p, nl):
+    g = torch.Generator().manual_seed(m)
+    lists = torch.rand(m, nl, generator=g).argsort(1)[:, :p]  # distinct lists per query
+    start, queries = fs.group_pairs(lists, nl)
+    order = torch.argsort(lists.reshape(-1), stable=True)
+    assert torch.equal(queries, order // p)
+    assert torch.equal(start, F.pad(torch.bincount(lists.reshape(-1), minlength=nl), (1, 0)).cumsum(0))
 
 
 @pytest.mark.parametrize("dim", [50, 5, 8, 13, 600])

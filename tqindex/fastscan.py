@@ -197,6 +197,17 @@ def top_columns(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
     return val, col
 
 
+def group_pairs(lists: Tensor, nl: int) -> tuple[Tensor, Tensor]:
+    """The (query, list) pairs of lists int64 [m, p] (query i probes lists[i], distinct numbers < nl) grouped
+    by list in one counting pass of the kernel -> (start int64 [nl + 1], queries int64 [m·p]): list l is
+    probed by queries[start[l]:start[l + 1]], ascending. The reference is a stable argsort of lists."""
+    lists = lists.contiguous()
+    start, queries = torch.empty(nl + 1, dtype=torch.int64), torch.empty(lists.numel(), dtype=torch.int64)
+    native.require().tq_group_pairs(lists.data_ptr(), lists.shape[0], lists.shape[1], nl, start.data_ptr(),
+                                    queries.data_ptr())
+    return start, queries
+
+
 def candidate_depth(k: int) -> int:
     """Approximate candidates kept per query for an exact top-k: a margin of max(16, k) over k."""
     return k + max(16, k)

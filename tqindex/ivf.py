@@ -25,7 +25,7 @@ from torch import Tensor
 
 from .codes import Codes
 from .encoder import Encoder
-from .fastscan import CodeLists, top_columns
+from .fastscan import CodeLists, group_pairs, top_columns
 from .index import DECODE_ELEMENTS, LIST_SHIFT, TILE_BYTES, BaseIndex, BlockScan, check_int, selected_rows
 from .io import register_index_type
 
@@ -144,31 +144,15 @@ class IVFIndex(BaseIndex):
         if not self.is_trained:
             return
         coarse, lists = self._coarse(q, nprobe)  # [m, nprobe]
-        compiled = scan.fast is not None and not self.by_residual  # one set of tables per query serves all lists
-        if scan.few and not compiled and not (self.by_residual and scan.l2):
+        if scan.fast is not None and not self.by_residual:  # one set of tables per query serves all lists
+            self._scan_compiled(scan, lists, allowed)
+            return
+        if scan.few and not (self.by_residual and scan.l2):
             self._scan_together(scan, coarse, lists, allowed)
             return
         order = torch.argsort(lists.reshape(-1), stable=True)  # (query, list) pairs grouped by list
         nos, counts = torch.unique_consecutive(lists.reshape(-1)[order], return_counts=True)
         rows, split = order // nprobe, counts.tolist()  # the queries of each list, ascending
-        if compiled:  # rows labelled by id, unless re-ranking needs their place
-            scan.labels_are_ids = not self.keep_vectors
-            if allowed is None:  # every list, each probed by its queries (none for most)
-                code_lists = self._code_lists(scan.labels_are_ids)
-                start = F.pad(torch.bincount(lists.reshape(-1), minlength=self.nlist), (1, 0))
-            else:  # the probed lists, their rows in ``allowed``
-                runs = []
-                for no in nos.tolist():
-                    lst, base = self._lists[no], no << LIST_SHIFT
-                    select = selected_rows(lst.live_ids, allowed) if lst.size else None
-                    labels = (lst.live_ids[select] if scan.labels_are_ids else select + base) if lst.size else base
-                    runs.append((lst.live_codes[select] if lst.size else None, labels))
-                code_lists, start = CodeLists(runs), F.pad(counts, (1, 0))
-            start = start.cumsum(0)
-            scan.fast.run_lists(scan.qs, code_lists, start, rows, scan.top, scan.l2)
-            if scan.bar is not None:
-                scan.bar.update(int((code_lists.sizes * (start[1:] - start[:-1])).sum()))
-            return
         offsets = repeat(None)
         if self.by_residual:  # <q, x̂> = <q, c> + <q, r̂>;  "l2": ||q||² - ||q - x̂||² = ||q||² - ||q - c||² + ...
             coarse = coarse.reshape(-1)[order]  # <q, c>, or ||q - c||² for "l2"
@@ -179,6 +163,26 @@ class IVFIndex(BaseIndex):
                 select = selected_rows(lst.live_ids, allowed)
                 shift = 2 * self._centroids_rot[no] if self.by_residual and scan.l2 else None  # ... + 2<q - c, r̂> - ||r̂||²
                 scan.run(lst.live_codes, no << LIST_SHIFT, select, list_rows, offset, shift)
+
+    def _scan_compiled(self, scan: BlockScan, lists: Tensor, allowed: Tensor | None) -> None:
+        """Raw codes, every probed list [m, nprobe] in one call of the compiled scan; its rows labelled by id
+        unless re-ranking needs their place."""
+        start, queries = group_pairs(lists, self.nlist)  # the queries of list l: queries[start[l]:start[l + 1]]
+        scan.labels_are_ids = not self.keep_vectors
+        if allowed is None:  # every list, each probed by its queries (none for most)
+            code_lists = self._code_lists(scan.labels_are_ids)
+        else:  # the probed lists, their rows in ``allowed``
+            counts = start.diff()
+            runs = []
+            for no in counts.nonzero()[:, 0].tolist():
+                lst, base = self._lists[no], no << LIST_SHIFT
+                select = selected_rows(lst.live_ids, allowed) if lst.size else None
+                labels = (lst.live_ids[select] if scan.labels_are_ids else select + base) if lst.size else base
+                runs.append((lst.live_codes[select] if lst.size else None, labels))
+            code_lists, start = CodeLists(runs), F.pad(counts[counts > 0], (1, 0)).cumsum(0)
+        scan.fast.run_lists(scan.qs, code_lists, start, queries, scan.top, scan.l2)
+        if scan.bar is not None:
+            scan.bar.update(int((code_lists.sizes * start.diff()).sum()))
 
     def _code_lists(self, by_id: bool) -> CodeLists:
         """Every list as the compiled scan reads it, its rows labelled by id (``by_id``) or by list and row,

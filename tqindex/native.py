@@ -25,6 +25,7 @@ _SIGNATURES = {
     "tq_nibble_tables": (None, [_P, _I, _I, _P, _P, _P, _I, _P]),
     "tq_quantize_tables": (None, [_P, _I, _I, _P, _P, _P]),
     "tq_top_columns": (_C, [_P, _I, _I, _I, _P, _P]),
+    "tq_group_pairs": (None, [_P, _I, _I, _I, _P, _P]),
     "tq_quantize_direction": (_C, [_P, _I, _I, _P, _I, _I, _P, _P, _P, _P, _P, _P, _P, _C]),
 }
 

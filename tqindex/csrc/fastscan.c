@@ -1152,3 +1152,14 @@ int tq_top_columns(const float *x, int64_t m, int64_t n, int64_t k, float *val, 
     free(cv), free(cc);
     return 0;
 }
+
+/* Groups the (query, list) pairs of lists [m, p] (query i probes lists[i * p .. i * p + p), numbers < nl)
+ * by list with a counting sort: list l is probed by queries[start[l], start[l + 1]), ascending. */
+void tq_group_pairs(const int64_t *lists, int64_t m, int64_t p, int64_t nl, int64_t *start, int64_t *queries) {
+    memset(start, 0, sizeof(int64_t) * (size_t)(nl + 1));
+    for (int64_t i = 0; i < m * p; i++) start[lists[i] + 1]++;
+    for (int64_t l = 0; l < nl; l++) start[l + 1] += start[l];
+    for (int64_t i = 0; i < m * p; i++) queries[start[lists[i]]++] = i / p;  /* start[l] moves to start[l + 1] */
+    for (int64_t l = nl; l > 0; l--) start[l] = start[l - 1];
+    start[0] = 0;
+}
