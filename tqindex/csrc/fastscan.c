@@ -1111,9 +1111,10 @@ AVX2 static int64_t at_least_avx2(const float *row, int64_t n, float t, float *c
 #endif
 
 /* The k largest entries of each row of x [m, n] (1 <= k <= n, no NaN), best first, into val [m, k] and
- * their columns into col [m, k]; of equal values the earlier column ranks first. Per row: t = the
- * smallest of the maxima of k column groups (k entries are >= t, so is the k-th largest), then a heap
- * over the entries >= t only. Returns -1 when out of memory, else 0. */
+ * their columns into col [m, k]; of equal values the earlier column ranks first. Per row: the columns
+ * fall into G >= k groups (column j in group j mod G, G a multiple of 8 where n allows), t = the smallest
+ * of the maxima of the first k groups (k entries are >= t, so is the k-th largest), then a heap over the
+ * entries >= t only. Returns -1 when out of memory, else 0. */
 int tq_top_columns(const float *x, int64_t m, int64_t n, int64_t k, float *val, int64_t *col) {
     float *cv = malloc(sizeof(float) * (size_t)n);
     int64_t *cc = malloc(sizeof(int64_t) * (size_t)n);
@@ -1121,15 +1122,15 @@ int tq_top_columns(const float *x, int64_t m, int64_t n, int64_t k, float *val, 
         free(cv), free(cc);
         return -1;
     }
-    const int64_t per = n / k;
+    const int64_t groups = (k + 7) / 8 * 8 < n ? (k + 7) / 8 * 8 : n, per = n / groups;
     const int simd = cpu_avx2();
     for (int64_t i = 0; i < m; i++) {
         const float *row = x + i * n;
         float *v = val + i * k, t = INFINITY;
         int64_t *c = col + i * k, cnt = 0;
-        memcpy(cv, row, sizeof(float) * (size_t)k);  /* group g: columns g, g + k, g + 2k, ... */
+        memcpy(cv, row, sizeof(float) * (size_t)groups);  /* group maxima */
         for (int64_t r = 1; r < per; r++)
-            for (int64_t g = 0; g < k; g++) cv[g] = row[r * k + g] > cv[g] ? row[r * k + g] : cv[g];
+            for (int64_t g = 0; g < groups; g++) cv[g] = row[r * groups + g] > cv[g] ? row[r * groups + g] : cv[g];
         for (int64_t g = 0; g < k; g++) t = cv[g] < t ? cv[g] : t;
         int64_t j = 0;
 #ifdef TQ_X86
