@@ -6,9 +6,13 @@ and x̂ = c_l + r̂, so ``<q, x̂> = <q, c_l> + <q, r̂>`` and
 the list scan (the same block scan as FlatIndex) the rest. With ``by_residual=False`` x itself is
 encoded and lists are scanned as in FlatIndex.
 
-Many queries are scanned list by list, each list with the queries that probe it. Few queries (at most
-``LUT_MAX_QUERIES``) are scanned over the union of their probed lists at once, in blocks, with the
-(query, list) pairs that were not probed masked out: far fewer, larger steps for latency-bound search.
+Where the compiled kernel serves the codes (``fastscan.py``), codes of raw vectors are searched in one
+kernel call: each query's candidates from all the lists it probes share one reservoir and are re-scored
+once; the coarse step's top-``nprobe`` selection and the grouping of (query, list) pairs by list are
+compiled too. Otherwise many queries are scanned list by list, each list with the queries that probe
+it, and few queries (at most ``LUT_MAX_QUERIES``) over the union of their probed lists at once, in
+blocks, with the (query, list) pairs that were not probed masked out: far fewer, larger steps for
+latency-bound search.
 """
 
 from __future__ import annotations

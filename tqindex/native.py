@@ -1,4 +1,5 @@
-"""The compiled CPU kernels (``csrc/``: the nibble lookup-table scan and the Q_mse direction search).
+"""The compiled CPU kernels (``csrc/``: the nibble lookup-table scan with the IVF coarse step's selection,
+and the Q_mse direction search).
 
 They are built by ``pip install`` when a C compiler is present (``setup.py``) and called through
 ctypes, which releases the GIL, so the kernels run in parallel on a thread pool. :func:`available`

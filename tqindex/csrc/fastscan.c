@@ -17,6 +17,9 @@
  * score(row v) = scale[v] * <q, c_v> + bias_v + qoffset[q], with bias_v = -scale[v]^2 * ||c_v||^2
  * when `sq_table` is given ("l2" scoring) and 0 otherwise.
  *
+ * Two helpers of the IVF search close the file: the k best columns of each row (the coarse step's
+ * top-nprobe, tq_top_columns) and the grouping of (query, list) pairs by list (tq_group_pairs).
+ *
  * Called through ctypes (tqindex/native.py): no Python objects are touched, and ctypes releases the GIL.
  */
 #include <math.h>
