@@ -75,6 +75,10 @@ def test_bad_input_names_the_problem(name):
         enc.encode(torch.tensor([[float("nan")] * 64]))
     with pytest.raises(ValueError, match="NaN or infinite"):
         enc.encode(np.full((2, 64), np.inf, dtype=np.float32))
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        enc.encode(np.full((2, 64), np.nan, dtype=np.float16))
+    with pytest.raises(ValueError, match="NaN or infinite"):  # finite in float64, not in float32
+        enc.encode(np.full((2, 64), 1e300))
     with pytest.raises(TypeError, match="dtype"):
         enc.encode(torch.ones(2, 64, dtype=torch.int32))
     with pytest.raises(TypeError, match="floating"):

@@ -32,7 +32,8 @@ def as_float_tensor(x: Any, dim: int, name: str = "x", allow_empty: bool = False
     if isinstance(x, np.ndarray):
         if not np.issubdtype(x.dtype, np.floating):
             raise TypeError(f"{name} must hold floating-point values (float16/32/64), got dtype {x.dtype}")
-        t = torch.from_numpy(np.ascontiguousarray(x))
+        with np.errstate(over="ignore"):  # a float64 too large for float32 becomes inf, reported below
+            t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
     elif isinstance(x, Tensor):
         t = x
         if t.dtype not in _FLOAT_DTYPES:
@@ -46,7 +47,11 @@ def as_float_tensor(x: Any, dim: int, name: str = "x", allow_empty: bool = False
     if t.numel() == 0 and not allow_empty:
         raise ValueError(f"{name} is empty (shape {tuple(t.shape)}): nothing to encode")
     t = t.detach().float()
-    if t.numel() and not bool(torch.isfinite(torch.stack(torch.aminmax(t))).all()):  # NaN propagates; one pass
+    if isinstance(x, np.ndarray):  # checked in numpy: one thread, no thread pool wake-ups for a small batch
+        finite = bool(np.isfinite(t.numpy()).all())
+    else:  # NaN propagates; one pass
+        finite = not t.numel() or bool(torch.isfinite(torch.stack(torch.aminmax(t))).all())
+    if not finite:
         raise ValueError(f"{name} contains NaN or infinite values")
     return t
 
