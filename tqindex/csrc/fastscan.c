@@ -981,10 +981,10 @@ static void query_tables(const float *qs, int64_t nq, int64_t dim, const int32_t
                            qadd + i);
 }
 
-/* Scans code rows [0, n) for nq queries (see the file comment): the float tables ftab [nq, 2 nbytes, 16]
- * [nq, table_rows, 16] of the rotated queries qs [nq, dim] are built and the approximate stage's quantized
- * (query_tables), approximate candidates found (tq_fastscan_candidates, which says
- * how rows are read), re-scored exactly with ftab and merged into heap row rows[i] (i when rows is NULL)
+/* Scans code rows [0, n) for nq queries (see the file comment): the float tables ftab [nq, table_rows, 16]
+ * of the rotated queries qs [nq, dim] and the approximate stage's quantized tables are built
+ * (query_tables), approximate candidates found (tq_fastscan_candidates, which says how rows are read),
+ * re-scored exactly with ftab and merged into heap row rows[i] (i when rows is NULL)
  * of heap_val / heap_ids [*, k], labelled labels[row] (label_base + row when labels is NULL). A heap
  * row that held nothing (all -inf) receives its best k in ascending order, itself a valid min-heap.
  * Returns 0 when every heap row it touched is in ascending order, 1 when some are only heaps, -1 when
