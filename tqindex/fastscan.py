@@ -12,7 +12,8 @@ approximate candidates per query, re-scores them exactly with the float tables a
 :class:`~tqindex.index.TopK` (an empty heap row gets its best k in ascending order, so a search of one
 run needs no heap sort). Work is split over ``torch.get_num_threads()`` threads (by queries, or by rows
 for a few queries). :meth:`FastScan.run_lists` scans IVF lists in one call: each query's candidates from
-all the lists it probes share one reservoir and are re-scored once.
+all the lists it probes share one reservoir and are re-scored once; :func:`top_columns` (its top-nprobe
+lists) and :func:`group_pairs` (the (query, list) pairs by list) prepare that call.
 
 The kernel is built by ``pip install`` when a C compiler is present (``native.py``); :func:`available`
 says whether it loaded, and the index falls back to PyTorch scans otherwise. :func:`reference_scores` is the numpy
