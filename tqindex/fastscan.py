@@ -276,18 +276,18 @@ class FastScan:
             top.merge(v, i, merge_rows)
 
     def run_lists(self, qs: Tensor, lists: "CodeLists", start: Tensor, queries: Tensor, top: "TopK",
-                  l2: bool) -> None:
+                  l2: bool) -> int:
         """Merge the exact top-k of several code lists (IVF) for rotated queries qs [m, dim] (already
         doubled for "l2") into ``top`` (a TopK [m, k], query j into heap row j). List l is probed by the
         queries ``queries[start[l]:start[l + 1]]`` (int64, ascending). Each query's candidates from all
-        its lists are re-scored once."""
+        its lists are re-scored once. Returns the number of (query, row) pairs scanned."""
         m = qs.shape[0]
-        if m == 0 or not lists.total:
-            return
+        work = int((lists.sizes * start.diff()).sum())
+        if m == 0 or not work:
+            return work
         lib = native.require()
         qs, (coord, bank_of, bank) = qs.float().contiguous(), self.layout
         start, queries = start.contiguous(), queries.contiguous()
-        work = int((lists.sizes * (start[1:] - start[:-1])).sum())
         threads = max(1, min(torch.get_num_threads(), math.ceil(work / MIN_THREAD_SCORES), m))
         depth, k, sq = candidate_depth(top.k), top.k, self.sq if l2 else None
 
@@ -303,6 +303,7 @@ class FastScan:
         cuts = _query_cuts(m, threads)
         status = native.parallel(call, list(zip(cuts[:-1], cuts[1:])), threads)
         top.ascending &= not any(status)
+        return work
 
 
 class CodeLists:
@@ -320,5 +321,4 @@ class CodeLists:
         self.codes_p, self.scale_p, self.labels_p = ptrs(self._qdata), ptrs(self._scale), ptrs(self._labels)
         self.sizes = torch.tensor(sizes, dtype=torch.int64)
         self.base = torch.tensor([lab if isinstance(lab, int) else 0 for _, lab in lists], dtype=torch.int64)
-        self.total = sum(sizes)
         self.row_bytes = next((q.shape[1] for q in self._qdata if q is not None), 0)

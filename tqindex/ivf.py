@@ -184,9 +184,9 @@ class IVFIndex(BaseIndex):
                 labels = (lst.live_ids[select] if scan.labels_are_ids else select + base) if lst.size else base
                 runs.append((lst.live_codes[select] if lst.size else None, labels))
             code_lists, start = CodeLists(runs), F.pad(counts[counts > 0], (1, 0)).cumsum(0)
-        scan.fast.run_lists(scan.qs, code_lists, start, queries, scan.top, scan.l2)
+        work = scan.fast.run_lists(scan.qs, code_lists, start, queries, scan.top, scan.l2)
         if scan.bar is not None:
-            scan.bar.update(int((code_lists.sizes * start.diff()).sum()))
+            scan.bar.update(work)
 
     def _code_lists(self, by_id: bool) -> CodeLists:
         """Every list as the compiled scan reads it, its rows labelled by id (``by_id``) or by list and row,
