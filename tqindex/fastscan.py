@@ -209,9 +209,12 @@ def group_pairs(lists: Tensor, nl: int) -> tuple[Tensor, Tensor]:
     return start, queries
 
 
-def candidate_depth(k: int) -> int:
-    """Approximate candidates kept per query for an exact top-k: a margin of max(16, k) over k."""
-    return k + max(16, k)
+def candidate_depth(k: int, code_bits: int) -> int:
+    """Approximate candidates kept per query for an exact top-k: a margin of max(16, k / 2) over k, or of
+    max(16, k) for 3-bit codes, whose approximate stage reads the coarser split layout. On GloVe-50 (20k
+    and 100k rows, k = 64, 2000 queries) the exact top 64 of these candidates differed from that of
+    k + 512 candidates in 0.013 % of places at 4 bits and 0.001 % or less at 1 and 2 bits."""
+    return k + max(16, k if code_bits == 3 else k // 2)
 
 
 def _query_cuts(m: int, threads: int) -> list[int]:
@@ -247,7 +250,7 @@ class FastScan:
         rows = None if rows is None else rows.contiguous()
         offset = None if offset is None else offset.float().contiguous()
         threads = max(1, min(torch.get_num_threads(), math.ceil(n * m / MIN_THREAD_SCORES)))
-        depth, k, sq = candidate_depth(top.k), top.k, self.sq if l2 else None
+        depth, k, sq = candidate_depth(top.k, self.lut.code_bits), top.k, self.sq if l2 else None
 
         def call(r0: int, r1: int, q0: int, q1: int, heap_rows: Tensor | None, val: Tensor, ids: Tensor) -> int:
             """Rows [r0, r1) against queries [q0, q1), merged into heap rows heap_rows[q0:q1] (val/ids
@@ -289,7 +292,7 @@ class FastScan:
         qs, (coord, bank_of, bank) = qs.float().contiguous(), self.layout
         start, queries = start.contiguous(), queries.contiguous()
         threads = max(1, min(torch.get_num_threads(), math.ceil(work / MIN_THREAD_SCORES), m))
-        depth, k, sq = candidate_depth(top.k), top.k, self.sq if l2 else None
+        depth, k, sq = candidate_depth(top.k, self.lut.code_bits), top.k, self.sq if l2 else None
 
         def call(q0: int, q1: int) -> int:
             """Queries [q0, q1) against every list they probe."""
