@@ -321,18 +321,21 @@ typedef struct {
     reservoir_t *res;       /* approximate candidates */
 } query_t;
 
-static void scan_block_generic(const block_t *b, const query_t *qs, int nqb, int64_t nbytes) {
+/* Scores the blocks [nblk] for the queries qs [nqb] into their reservoirs. */
+static void score_blocks_generic(const block_t *blocks, int nblk, const query_t *qs, int nqb, int64_t nbytes) {
     uint32_t s[BLOCK];
     float sc[BLOCK];
-    for (int j = 0; j < nqb; j++) {
-        const query_t *q = qs + j;
-        block_sums_generic(b->tb, q->lut, nbytes, s);
-        unsigned mask = 0;
-        for (int i = 0; i < BLOCK; i++) {
-            sc[i] = b->scale[i] * (q->mul * (float)s[i] + q->add) + b->bias[i] + q->off;
-            mask |= (unsigned)(sc[i] > q->res->thr) << i;
+    for (const block_t *b = blocks; b < blocks + nblk; b++) {
+        for (int j = 0; j < nqb; j++) {
+            const query_t *q = qs + j;
+            block_sums_generic(b->tb, q->lut, nbytes, s);
+            unsigned mask = 0;
+            for (int i = 0; i < BLOCK; i++) {
+                sc[i] = b->scale[i] * (q->mul * (float)s[i] + q->add) + b->bias[i] + q->off;
+                mask |= (unsigned)(sc[i] > q->res->thr) << i;
+            }
+            if (mask) reservoir_offer(q->res, sc, mask, b->row0);
         }
-        if (mask) reservoir_offer(q->res, sc, mask, b->row0);
     }
 }
 
@@ -394,30 +397,31 @@ AVX2 static inline __attribute__((always_inline)) void scan_block_avx2_n(const b
     }
 }
 
-AVX2 static void scan_block_avx2(const block_t *b, const query_t *qs, int nqb, int64_t nbytes) {
+AVX2 static void score_blocks_avx2(const block_t *blocks, int nblk, const query_t *qs, int nqb, int64_t nbytes) {
+    const block_t *end = blocks + nblk;
     switch (nqb) {
-        case 4: scan_block_avx2_n(b, qs, 4, nbytes); break;
-        case 3: scan_block_avx2_n(b, qs, 3, nbytes); break;
-        case 2: scan_block_avx2_n(b, qs, 2, nbytes); break;
-        default: scan_block_avx2_n(b, qs, 1, nbytes); break;
+        case 4: for (const block_t *b = blocks; b < end; b++) scan_block_avx2_n(b, qs, 4, nbytes); break;
+        case 3: for (const block_t *b = blocks; b < end; b++) scan_block_avx2_n(b, qs, 3, nbytes); break;
+        case 2: for (const block_t *b = blocks; b < end; b++) scan_block_avx2_n(b, qs, 2, nbytes); break;
+        default: for (const block_t *b = blocks; b < end; b++) scan_block_avx2_n(b, qs, 1, nbytes); break;
     }
 }
 #endif
 
 #define QGROUP 3  /* queries scored together per block */
 
-typedef void (*scan_fn)(const block_t *, const query_t *, int, int64_t);
+typedef void (*scan_fn)(const block_t *, int, const query_t *, int, int64_t);
 
 static scan_fn pick_scan(int allow_simd) {
 #ifdef TQ_X86
-    if (allow_simd && cpu_avx2()) return scan_block_avx2;
+    if (allow_simd && cpu_avx2()) return score_blocks_avx2;
 #endif
     (void)allow_simd;
-    return scan_block_generic;
+    return score_blocks_generic;
 }
 
 /* 1 when the SIMD path serves this CPU. */
-int tq_fastscan_simd(void) { return pick_scan(1) != scan_block_generic; }
+int tq_fastscan_simd(void) { return pick_scan(1) != score_blocks_generic; }
 
 /* ------------------------------------------------------------------------------------- tables */
 
@@ -774,7 +778,7 @@ static void scan_blocks(const scan_t *c, int64_t first, int64_t stride, const in
                 qg[j] = (query_t){c->qtab + q * tsize, c->qmul[q], c->qadd[q], c->qoffset ? c->qoffset[q] : 0.f,
                                   res + q};
             }
-            for (int b = 0; b < nblk; b++) c->scan(blk + b, qg, nqb, sb);
+            c->scan(blk, nblk, qg, nqb, sb);
         }
     }
 }
@@ -824,7 +828,7 @@ int tq_fastscan_candidates(const uint8_t *codes, int64_t n, int64_t row_bytes, i
     for (int64_t i = 0; i < nq * depth; i++) cval[i] = -INFINITY, crow[i] = -1;
     if (n <= 0 || nq <= 0 || depth <= 0) return 0;
     scan_fn scan = pick_scan(allow_simd);
-    int simd = scan != scan_block_generic;
+    int simd = scan != score_blocks_generic;
     const int64_t sb = scan_nbytes(nbytes, bits), tsize = 2 * sb * 16, cap = 2 * depth, nblocks = (n + BLOCK - 1) / BLOCK;
     const int64_t stride = depth / SAMPLE_HITS;
     int64_t sample_keep = 0;  /* the rank taken among the sampled blocks' best scores */
@@ -1045,7 +1049,7 @@ int tq_fastscan_lists(int64_t nl, const uint8_t *const *codes, const int64_t *n,
                       int64_t *heap_ids, int allow_simd) {
     if (nq <= 0 || nl <= 0 || depth <= 0) return 0;
     const scan_fn scan = pick_scan(allow_simd);
-    const int simd = scan != scan_block_generic;
+    const int simd = scan != score_blocks_generic;
     const int64_t sb = scan_nbytes(nbytes, bits), tsize = table_rows(nbytes, bits) * 16, qsize = 2 * sb * 16;
     const int64_t cap = 2 * depth, group = blocks_per_group(sb);
     float *ftab, *qmul, *qadd, *rval;
