@@ -179,14 +179,14 @@ def test_sampled_threshold_keeps_the_exact_candidates(adversarial):
 
 @pytest.mark.parametrize("nq", [1, 3, 37])
 @pytest.mark.parametrize("metric", ["ip", "cosine", "l2"])
-@pytest.mark.parametrize("name", ["tq4", "tq3"])
+@pytest.mark.parametrize("name,dim", [("tq4", 48), ("tq3", 48), ("tq3", 45)])  # 45: a last 3-bit pair alone
 @pytest.mark.parametrize("simd", [True, False])
-def test_compiled_search_equals_pytorch_search(monkeypatch, nq, metric, name, simd):
+def test_compiled_search_equals_pytorch_search(monkeypatch, nq, metric, name, dim, simd):
     monkeypatch.setattr(fs, "MIN_THREAD_SCORES", 64)  # split rows (few queries) or queries over threads
     monkeypatch.setattr(fs, "SIMD", simd)
     g = torch.Generator().manual_seed(nq)
-    x, q = torch.randn(5000, 48, generator=g), torch.randn(nq, 48, generator=g)
-    index = tq.index_factory(48, name, metric=metric)
+    x, q = torch.randn(5000, dim, generator=g), torch.randn(nq, dim, generator=g)
+    index = tq.index_factory(dim, name, metric=metric)
     assert index._fast is not None
     index.add(x)
     D, I = index.search(q, 64)

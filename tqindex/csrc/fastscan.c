@@ -3,9 +3,9 @@
  * A code row is `nbytes` packed bytes; each 4-bit nibble t (t = 2p: low nibble of byte p, t = 2p + 1:
  * high nibble) holds 4/b whole codes, so a query's partial inner product with the row is a sum of
  * 2 * nbytes table entries T[t][nibble_t]. Rows of 3-bit codes (a bit stream, 8 codes in 3 bytes) are
- * expanded as they are read: to one code per nibble (expand3) for exact scores, and to a split layout of
- * 3/4 as many nibbles (split3; tables of an additive approximation of the codebook, tqindex/lut.py) for
- * the approximate stage.
+ * scored exactly by 6-bit pairs of codes (pair_dot, tables of 64 entries), and expanded as the
+ * approximate stage reads them to a split layout of 3/4 as many nibbles (split3; tables of an additive
+ * approximation of the codebook, tqindex/lut.py).
  *
  * The scan quantizes T to uint8 per query (tq_quantize_tables: T ~= qmul * U + per-nibble offsets
  * summing to qadd), looks up 32 rows at once with `pshufb` on AVX2 for 3 queries per pass over a block
@@ -629,15 +629,15 @@ static void transpose_block(const uint8_t *codes, int64_t nbytes, int64_t r0, in
 /* sum_t table[t][nibble_t(row)] over the 2 * nbytes nibbles of one code row (float tables), in four
  * partial sums so the additions overlap. */
 static float row_dot(const uint8_t *row, const float *table, int64_t nbytes) {
-    float s[4] = {0.f, 0.f, 0.f, 0.f};
+    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
     int64_t p = 0;
     for (; p + 2 <= nbytes; p += 2) {
         const float *t = table + 32 * p;
-        s[0] += t[row[p] & 15], s[1] += t[16 + (row[p] >> 4)];
-        s[2] += t[32 + (row[p + 1] & 15)], s[3] += t[48 + (row[p + 1] >> 4)];
+        s0 += t[row[p] & 15], s1 += t[16 + (row[p] >> 4)];
+        s2 += t[32 + (row[p + 1] & 15)], s3 += t[48 + (row[p + 1] >> 4)];
     }
-    if (p < nbytes) s[0] += table[32 * p + (row[p] & 15)], s[1] += table[32 * p + 16 + (row[p] >> 4)];
-    return (s[0] + s[1]) + (s[2] + s[3]);
+    if (p < nbytes) s0 += table[32 * p + (row[p] & 15)], s1 += table[32 * p + 16 + (row[p] >> 4)];
+    return (s0 + s1) + (s2 + s3);
 }
 
 /* Code rows: `row_bytes` bytes each, read as `nbytes` nibble-packed bytes (bits 4: as they are; bits 3:
@@ -665,12 +665,43 @@ static void expand3(const uint8_t *row, int64_t row_bytes, int64_t nbytes, uint8
     }
 }
 
-/* Row v as nbytes nibble-packed bytes: in place, or expanded into buf [nbytes] (3-bit codes). */
-static inline const uint8_t *nibble_row(const rows_t *c, int64_t v, uint8_t *buf) {
+/* Floats of the exact tables of code rows of `bits` (exact_tables). */
+static inline int64_t exact_size(int64_t nbytes, int bits) { return (bits == 3 ? 64 : 32) * nbytes; }
+
+/* The exact tables of code rows of `bits` from their float nibble tables t [2 nbytes, 16] (for 3-bit
+ * codes one code per nibble): t itself, or for 3-bit codes the pair tables out [nbytes, 64], entry
+ * [i, a + 8 b] = t[2i, a] + t[2i + 1, b] (codes 2i and 2i + 1, six consecutive bits of the stream). */
+static const float *exact_tables(const float *t, int64_t nbytes, int bits, float *out) {
+    if (bits != 3) return t;
+    for (int64_t i = 0; i < nbytes; i++)
+        for (int b = 0; b < 8; b++)
+            for (int a = 0; a < 8; a++) out[64 * i + 8 * b + a] = t[32 * i + a] + t[32 * i + 16 + b];
+    return out;
+}
+
+/* sum_i pt[i][pair_i] over the npairs 6-bit code pairs of a stream row of 3-bit codes (row_bytes bytes;
+ * pairs past its end read as 0), four pairs (3 bytes) at a time, in four partial sums. */
+static float pair_dot(const uint8_t *row, int64_t row_bytes, const float *pt, int64_t npairs) {
+    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+    int64_t g = 0;
+    for (; 4 * g + 4 <= npairs && 3 * g + 4 <= row_bytes; g++, pt += 256) {
+        uint32_t w;
+        memcpy(&w, row + 3 * g, 4);
+        s0 += pt[w & 63], s1 += pt[64 + ((w >> 6) & 63)];
+        s2 += pt[128 + ((w >> 12) & 63)], s3 += pt[192 + ((w >> 18) & 63)];
+    }
+    for (; 4 * g < npairs; g++, pt += 256) {  /* the last group or two, read byte by byte */
+        uint32_t w = 0;
+        for (int i = 0; i < 3 && 3 * g + i < row_bytes; i++) w |= (uint32_t)row[3 * g + i] << (8 * i);
+        for (int j = 0; j < 4 && 4 * g + j < npairs; j++) s0 += pt[64 * j + ((w >> (6 * j)) & 63)];
+    }
+    return (s0 + s1) + (s2 + s3);
+}
+
+/* <c_v, table> of code row v, with the rows' exact tables (exact_tables). */
+static inline float code_dot(const rows_t *c, int64_t v, const float *exact) {
     const uint8_t *row = c->codes + v * c->row_bytes;
-    if (c->bits == 4) return row;
-    expand3(row, c->row_bytes, c->nbytes, buf);
-    return buf;
+    return c->bits == 3 ? pair_dot(row, c->row_bytes, exact, c->nbytes) : row_dot(row, exact, c->nbytes);
 }
 
 /* Bytes per row the approximate stage scans: nbytes, or for 3-bit codes (nbytes = ceil(d/2)) the split
@@ -724,7 +755,10 @@ static void load_block(const rows_t *c, int64_t r0, int cnt, int simd, uint8_t *
     }
     const int64_t sb = scan_nbytes(c->nbytes, 3);
     uint8_t *e = xb + BLOCK * sb;  /* one row, one code per nibble */
-    for (int i = 0; i < cnt; i++) split3(nibble_row(c, r0 + i, e), c->nbytes, xb + i * sb);
+    for (int i = 0; i < cnt; i++) {
+        expand3(c->codes + (r0 + i) * rb, rb, c->nbytes, e);
+        split3(e, c->nbytes, xb + i * sb);
+    }
     transpose_block(xb, sb, 0, cnt, tb);
 }
 
@@ -732,7 +766,7 @@ static void load_block(const rows_t *c, int64_t r0, int cnt, int simd, uint8_t *
 typedef struct {
     rows_t rows;
     const float *scale;     /* [n] */
-    const float *sq_table;  /* [2 nbytes, 16] or NULL */
+    const float *sq_exact;  /* the exact tables of ||c||^2 (exact_tables), or NULL */
     const uint8_t *qtab;    /* [nq, 2 sbytes, 16], sbytes = scan_nbytes(nbytes, bits) */
     const float *qmul, *qadd, *qoffset;
     scan_fn scan;
@@ -741,7 +775,6 @@ typedef struct {
     int64_t row_tag;        /* added to the row numbers entering the reservoirs */
     uint8_t *tb;            /* [group][sbytes][2][BLOCK] */
     uint8_t *xb;            /* [block_scratch(nbytes)] load_block scratch */
-    uint8_t *row;           /* [nbytes] one expanded 3-bit row */
 } scan_t;
 
 /* Scores the blocks first, first + stride, ... of 32 rows for the queries qidx[0, m) (tables and
@@ -766,7 +799,7 @@ static void scan_blocks(const scan_t *c, int64_t first, int64_t stride, const in
                 float s = v < cnt ? c->scale[r0 + v] : 0.f;
                 sp[nblk][i] = s;
                 bp[nblk][i] = v >= cnt      ? -INFINITY  /* missing rows never win */
-                              : c->sq_table ? -s * s * row_dot(nibble_row(&c->rows, r0 + v, c->row), c->sq_table, nbytes)
+                              : c->sq_exact ? -s * s * code_dot(&c->rows, r0 + v, c->sq_exact)
                                             : 0.f;
             }
             blk[nblk] = (block_t){tbb, sp[nblk], bp[nblk], c->row_tag + r0};
@@ -845,24 +878,26 @@ int tq_fastscan_candidates(const uint8_t *codes, int64_t n, int64_t row_bytes, i
     int64_t chunk = table_bytes / tsize;
     chunk = chunk < QGROUP ? QGROUP : chunk;
     chunk = (nq + (nq + chunk - 1) / chunk - 1) / ((nq + chunk - 1) / chunk);  /* equal chunks */
-    uint8_t *tb, *xb, *row;
-    float *rval, *floor_;
+    uint8_t *tb, *xb;
+    float *sqx, *rval, *floor_;
     int64_t *rrow, *qidx, *ridx;
     reservoir_t *res;
     int32_t *tmp;
-    const size_t sizes[] = {(size_t)(group * 2 * BLOCK * sb), (size_t)block_scratch(nbytes), (size_t)nbytes,
+    const size_t sizes[] = {(size_t)(group * 2 * BLOCK * sb), (size_t)block_scratch(nbytes),
+                            sizeof(float) * (size_t)exact_size(nbytes, bits),
                             sizeof(float) * (size_t)(chunk * cap), sizeof(float) * (size_t)chunk,
                             sizeof(int64_t) * (size_t)(chunk * cap), sizeof(int64_t) * (size_t)chunk,
                             sizeof(int64_t) * (size_t)chunk, sizeof(reservoir_t) * (size_t)chunk,
                             sizeof(int32_t) * (size_t)cap};
-    void **const ptrs[] = {(void **)&tb, (void **)&xb, (void **)&row, (void **)&rval, (void **)&floor_,
+    void **const ptrs[] = {(void **)&tb, (void **)&xb, (void **)&sqx, (void **)&rval, (void **)&floor_,
                            (void **)&rrow, (void **)&qidx, (void **)&ridx, (void **)&res, (void **)&tmp};
     if (arena_get(1, 10, sizes, ptrs)) return -1;
+    const float *sq = sq_table ? exact_tables(sq_table, nbytes, bits, sqx) : NULL;
     for (int64_t c0 = 0; c0 < nq; c0 += chunk) {
         int64_t m = c0 + chunk < nq ? chunk : nq - c0;
         /* this chunk's queries c0.. are its tables and reservoirs 0.. */
-        const scan_t ctx = {{codes, n, row_bytes, nbytes, bits}, scale, sq_table, qtab + c0 * tsize, qmul + c0,
-                            qadd + c0, qoffset ? qoffset + c0 : NULL, scan, simd, group, 0, tb, xb, row};
+        const scan_t ctx = {{codes, n, row_bytes, nbytes, bits}, scale, sq, qtab + c0 * tsize, qmul + c0,
+                            qadd + c0, qoffset ? qoffset + c0 : NULL, scan, simd, group, 0, tb, xb};
         for (int64_t i = 0; i < m; i++) {
             qidx[i] = i;
             floor_[i] = -INFINITY;
@@ -911,22 +946,22 @@ typedef struct {
     const int64_t *label_base;     /* [nl] */
 } source_t;
 
-/* Scratch of merge_query: ex, eid, rank [depth], key [depth + 8], buf [nbytes]. */
+/* Scratch of merge_query: ex, eid, rank [depth], key [depth + 8], exact [exact_size]. */
 typedef struct {
     float *ex;
     int64_t *eid, *rank;
     int32_t *key;
-    uint8_t *buf;
+    float *exact;
 } merge_t;
 
-/* Re-scores one query's candidates cand [depth] (tagged rows, -1: none) exactly with its float tables ft
- * [2 nbytes, 16] (plus `off`, and -scale^2 * ||c||^2 with sq_table) and merges them into the heap row
- * ev / ei [k]; a row that held nothing (all -inf) receives its best k in ascending order. Returns 1 when
- * the row is only a heap, else 0. */
-static int merge_query(const source_t *src, const float *ft, const float *sq_table, int64_t nbytes, float off,
-                       const int64_t *cand, int64_t depth, int64_t k, float *ev, int64_t *ei, const merge_t *w,
-                       int simd) {
+/* Re-scores one query's candidates cand [depth] (tagged rows, -1: none) exactly with its float nibble
+ * tables ft [2 nbytes, 16] (plus `off`, and -scale^2 * ||c||^2 with the exact tables sq) and merges them
+ * into the heap row ev / ei [k]; a row that held nothing (all -inf) receives its best k in ascending
+ * order. Returns 1 when the row is only a heap, else 0. */
+static int merge_query(const source_t *src, const float *ft, const float *sq, float off, const int64_t *cand,
+                       int64_t depth, int64_t k, float *ev, int64_t *ei, const merge_t *w, int simd) {
     const int64_t low = ((int64_t)1 << LIST_BITS) - 1;
+    const float *exact = exact_tables(ft, src->rows->nbytes, src->rows->bits, w->exact);
     int empty = depth <= RANK_MAX_DEPTH;  /* rank the candidates into an empty heap row */
     for (int64_t j = 0; empty && j < k; j++) empty = ev[j] == -INFINITY;
     int64_t cnt = 0;
@@ -940,9 +975,9 @@ static int merge_query(const source_t *src, const float *ft, const float *sq_tab
         }
         if (v < 0) continue;
         int64_t l = v >> LIST_BITS, r = v & low;
-        const uint8_t *row = nibble_row(src->rows + l, r, w->buf);
+        const rows_t *c = src->rows + l;
         float s = src->scale[l][r];
-        float e = s * row_dot(row, ft, nbytes) + (sq_table ? -s * s * row_dot(row, sq_table, nbytes) : 0.f) + off;
+        float e = s * code_dot(c, r, exact) + (sq ? -s * s * code_dot(c, r, sq) : 0.f) + off;
         int64_t id = src->labels[l] ? src->labels[l][r] : src->label_base[l] + r;
         if (empty) w->ex[cnt] = e, w->eid[cnt++] = id;
         else if (e > ev[0]) heap_replace_top(ev, ei, k, e, id);
@@ -1003,19 +1038,20 @@ int tq_fastscan(const uint8_t *codes, int64_t n, int64_t row_bytes, int64_t nbyt
     if (n <= 0 || nq <= 0) return 0;
     if (depth > n) depth = n;
     const int64_t tsize = table_rows(nbytes, bits) * 16, qsize = 2 * scan_nbytes(nbytes, bits) * 16;
-    float *ftab, *cval, *qmul, *qadd;
+    float *ftab, *cval, *qmul, *qadd, *sqx;
     int64_t *crow;
     uint8_t *qtab;
     merge_t w;
+    const size_t esize = sizeof(float) * (size_t)exact_size(nbytes, bits);
     const size_t sizes[] = {sizeof(float) * (size_t)(nq * tsize), sizeof(float) * (size_t)(nq * depth),
                             sizeof(float) * (size_t)nq, sizeof(float) * (size_t)nq, sizeof(float) * (size_t)depth,
                             sizeof(int64_t) * (size_t)(nq * depth), sizeof(int64_t) * (size_t)depth,
-                            sizeof(int64_t) * (size_t)depth, (size_t)(nq * qsize), (size_t)nbytes,
+                            sizeof(int64_t) * (size_t)depth, (size_t)(nq * qsize), esize, esize,
                             sizeof(int32_t) * (size_t)(depth + 8)};
     void **const ptrs[] = {(void **)&ftab, (void **)&cval, (void **)&qmul, (void **)&qadd, (void **)&w.ex,
-                           (void **)&crow, (void **)&w.eid, (void **)&w.rank, (void **)&qtab, (void **)&w.buf,
-                           (void **)&w.key};
-    if (arena_get(0, 11, sizes, ptrs)) return -1;
+                           (void **)&crow, (void **)&w.eid, (void **)&w.rank, (void **)&qtab, (void **)&w.exact,
+                           (void **)&sqx, (void **)&w.key};
+    if (arena_get(0, 12, sizes, ptrs)) return -1;
     const rows_t codes_ = {codes, n, row_bytes, nbytes, bits};
     const source_t src = {&codes_, &scale, &labels, &label_base};
     const int simd = allow_simd && cpu_avx2();
@@ -1023,12 +1059,13 @@ int tq_fastscan(const uint8_t *codes, int64_t n, int64_t row_bytes, int64_t nbyt
     query_tables(qs, nq, dim, coord, bank_of, bank, nbytes, bits, ftab, qtab, qmul, qadd);
     int status = tq_fastscan_candidates(codes, n, row_bytes, nbytes, bits, scale, sq_table, nq, qtab, qmul, qadd,
                                         qoffset, depth, cval, crow, allow_simd);
+    const float *sq = sq_table ? exact_tables(sq_table, nbytes, bits, sqx) : NULL;
     for (int64_t q = 0; status == 0 && q < nq; q++) {
         const float *ft = ftab + q * tsize;
         if (q + 1 < nq)  /* the next query's exact tables, from a cache level further out */
             for (int64_t l = 0; l < 2 * nbytes * 16; l += 16) __builtin_prefetch(ft + tsize + l);
         int64_t hrow = rows ? rows[q] : q;
-        heaps_only |= merge_query(&src, ft, sq_table, nbytes, qoffset ? qoffset[q] : 0.f, crow + q * depth, depth, k,
+        heaps_only |= merge_query(&src, ft, sq, qoffset ? qoffset[q] : 0.f, crow + q * depth, depth, k,
                                   heap_val + hrow * k, heap_ids + hrow * k, &w, simd);
     }
     arena_done(0);
@@ -1052,9 +1089,10 @@ int tq_fastscan_lists(int64_t nl, const uint8_t *const *codes, const int64_t *n,
     const int simd = scan != score_blocks_generic;
     const int64_t sb = scan_nbytes(nbytes, bits), tsize = table_rows(nbytes, bits) * 16, qsize = 2 * sb * 16;
     const int64_t cap = 2 * depth, group = blocks_per_group(sb);
-    float *ftab, *qmul, *qadd, *rval;
+    const size_t esize = sizeof(float) * (size_t)exact_size(nbytes, bits);
+    float *ftab, *qmul, *qadd, *rval, *sqx;
     int64_t *rrow, *qidx;
-    uint8_t *qtab, *tb, *xb, *row;
+    uint8_t *qtab, *tb, *xb;
     int32_t *tmp;
     reservoir_t *res;
     rows_t *lists;
@@ -1063,15 +1101,16 @@ int tq_fastscan_lists(int64_t nl, const uint8_t *const *codes, const int64_t *n,
                             sizeof(float) * (size_t)nq, sizeof(float) * (size_t)(nq * cap),
                             sizeof(int64_t) * (size_t)(nq * cap), sizeof(int64_t) * (size_t)nq,
                             sizeof(reservoir_t) * (size_t)nq, sizeof(int32_t) * (size_t)cap,
-                            (size_t)(group * 2 * BLOCK * sb), (size_t)block_scratch(nbytes), (size_t)nbytes,
+                            (size_t)(group * 2 * BLOCK * sb), (size_t)block_scratch(nbytes), esize,
                             sizeof(rows_t) * (size_t)nl, sizeof(float) * (size_t)depth,
                             sizeof(int64_t) * (size_t)depth, sizeof(int64_t) * (size_t)depth,
-                            sizeof(int32_t) * (size_t)(depth + 8), (size_t)nbytes};
+                            sizeof(int32_t) * (size_t)(depth + 8), esize};
     void **const ptrs[] = {(void **)&ftab, (void **)&qtab, (void **)&qmul, (void **)&qadd, (void **)&rval,
                            (void **)&rrow, (void **)&qidx, (void **)&res, (void **)&tmp, (void **)&tb, (void **)&xb,
-                           (void **)&row, (void **)&lists, (void **)&w.ex, (void **)&w.eid, (void **)&w.rank,
-                           (void **)&w.key, (void **)&w.buf};
+                           (void **)&sqx, (void **)&lists, (void **)&w.ex, (void **)&w.eid, (void **)&w.rank,
+                           (void **)&w.key, (void **)&w.exact};
     if (arena_get(0, 18, sizes, ptrs)) return -1;
+    const float *sq = sq_table ? exact_tables(sq_table, nbytes, bits, sqx) : NULL;
     query_tables(qs + q0 * dim, nq, dim, coord, bank_of, bank, nbytes, bits, ftab, qtab, qmul, qadd);
     for (int64_t i = 0; i < nq; i++)
         res[i] = (reservoir_t){rval + i * cap, rrow + i * cap, 0, depth, -INFINITY, tmp, simd, 0};
@@ -1082,8 +1121,8 @@ int tq_fastscan_lists(int64_t nl, const uint8_t *const *codes, const int64_t *n,
         int64_t m = 0;
         for (; p < end && *p < q0 + nq; p++) qidx[m++] = *p - q0;
         if (m == 0 || n[l] == 0) continue;
-        const scan_t ctx = {lists[l], scale[l], sq_table, qtab, qmul, qadd, NULL, scan, simd, group,
-                            l << LIST_BITS, tb, xb, row};
+        const scan_t ctx = {lists[l], scale[l], sq, qtab, qmul, qadd, NULL, scan, simd, group,
+                            l << LIST_BITS, tb, xb};
         scan_blocks(&ctx, 0, 1, qidx, res, m);
     }
     const source_t src = {lists, scale, labels, label_base};
@@ -1092,7 +1131,7 @@ int tq_fastscan_lists(int64_t nl, const uint8_t *const *codes, const int64_t *n,
         reservoir_t *r = res + i;
         if (r->n > depth) reservoir_shrink(r);
         int64_t cnt = r->n < depth ? r->n : depth;
-        heaps_only |= merge_query(&src, ftab + i * tsize, sq_table, nbytes, 0.f, r->row, cnt, k,
+        heaps_only |= merge_query(&src, ftab + i * tsize, sq, 0.f, r->row, cnt, k,
                                   heap_val + (q0 + i) * k, heap_ids + (q0 + i) * k, &w, simd);
     }
     arena_done(0);
