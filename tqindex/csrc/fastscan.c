@@ -1160,26 +1160,35 @@ AVX2 static int64_t at_least_avx2(const float *row, int64_t n, float t, float *c
 
 /* The k largest entries of each row of x [m, n] (1 <= k <= n, no NaN), best first, into val [m, k] and
  * their columns into col [m, k]; of equal values the earlier column ranks first. Per row: the columns
- * fall into G >= k groups (column j in group j mod G, G a multiple of 8 where n allows), t = the smallest
- * of the maxima of the first k groups (k entries are >= t, so is the k-th largest), then a heap over the
- * entries >= t only. Returns -1 when out of memory, else 0. */
+ * fall into G groups (column j in group j mod G, G = 2k rounded up to a multiple of 8, at most n),
+ * t = the k-th largest of their maxima (k entries are >= t, so is the k-th largest), and the entries
+ * >= t (about 2k) are ranked by counting, or pass through a heap when ties make them many. Returns -1
+ * when out of memory, else 0. */
 int tq_top_columns(const float *x, int64_t m, int64_t n, int64_t k, float *val, int64_t *col) {
     float *cv = malloc(sizeof(float) * (size_t)n);
-    int64_t *cc = malloc(sizeof(int64_t) * (size_t)n);
-    if (!cv || !cc) {
-        free(cv), free(cc);
+    int64_t *cc = malloc(sizeof(int64_t) * (size_t)n), *rank = malloc(sizeof(int64_t) * (size_t)n);
+    int32_t *key = malloc(sizeof(int32_t) * (size_t)(n + 8));
+    if (!cv || !cc || !rank || !key) {
+        free(cv), free(cc), free(rank), free(key);
         return -1;
     }
-    const int64_t groups = (k + 7) / 8 * 8 < n ? (k + 7) / 8 * 8 : n, per = n / groups;
+    const int64_t groups = (2 * k + 7) / 8 * 8 < n ? (2 * k + 7) / 8 * 8 : n, per = n / groups;
     const int simd = cpu_avx2();
+#ifdef TQ_X86
+#define RANK(keys, cnt, rank) (simd ? rank_desc_avx2(keys, cnt, rank) : rank_desc(keys, cnt, rank))
+#else
+#define RANK(keys, cnt, rank) rank_desc(keys, cnt, rank)
+#endif
     for (int64_t i = 0; i < m; i++) {
         const float *row = x + i * n;
-        float *v = val + i * k, t = INFINITY;
+        float *v = val + i * k, t = -INFINITY;
         int64_t *c = col + i * k, cnt = 0;
         memcpy(cv, row, sizeof(float) * (size_t)groups);  /* group maxima */
         for (int64_t r = 1; r < per; r++)
             for (int64_t g = 0; g < groups; g++) cv[g] = row[r * groups + g] > cv[g] ? row[r * groups + g] : cv[g];
-        for (int64_t g = 0; g < k; g++) t = cv[g] < t ? cv[g] : t;
+        for (int64_t g = 0; g < groups + 8; g++) key[g] = g < groups ? float_key(cv[g]) : INT32_MIN;
+        RANK(key, groups, rank);
+        for (int64_t g = 0; g < groups; g++) t = rank[g] == k - 1 ? cv[g] : t;
         int64_t j = 0;
 #ifdef TQ_X86
         if (simd) cnt = at_least_avx2(row, n, t, cv, cc, &j);
@@ -1188,7 +1197,14 @@ int tq_top_columns(const float *x, int64_t m, int64_t n, int64_t k, float *val, 
             cv[cnt] = row[j], cc[cnt] = j;
             cnt += row[j] >= t;
         }
-        for (int64_t j = 0; j < k; j++) v[j] = -INFINITY, c[j] = INT64_MAX;  /* ranks below every entry */
+        if (cnt <= RANK_MAX_DEPTH) {
+            for (j = 0; j < cnt + 8; j++) key[j] = j < cnt ? float_key(cv[j]) : INT32_MIN;
+            RANK(key, cnt, rank);
+            for (j = 0; j < cnt; j++)
+                if (rank[j] < k) v[rank[j]] = cv[j], c[rank[j]] = cc[j];
+            continue;
+        }
+        for (j = 0; j < k; j++) v[j] = -INFINITY, c[j] = INT64_MAX;  /* ranks below every entry */
         for (j = 0; j < cnt; j++)
             if (worse(v[0], c[0], cv[j], cc[j])) heap_replace_top(v, c, k, cv[j], cc[j]);
         for (int64_t e = k - 1; e > 0; e--) {  /* heap sort: the lowest ranked moves to the end */
@@ -1198,7 +1214,8 @@ int tq_top_columns(const float *x, int64_t m, int64_t n, int64_t k, float *val, 
             heap_replace_top(v, c, e, tv, tc);
         }
     }
-    free(cv), free(cc);
+#undef RANK
+    free(cv), free(cc), free(rank), free(key);
     return 0;
 }
 
