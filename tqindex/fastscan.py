@@ -217,10 +217,10 @@ def candidate_depth(k: int, code_bits: int) -> int:
     return k + max(16, k if code_bits == 3 else k // 2)
 
 
-def _query_cuts(m: int, threads: int) -> list[int]:
-    """Where m queries are cut into jobs: one on one thread, else up to JOBS_PER_THREAD per thread of at
+def _query_cuts(m: int, threads: int, per_thread: int = JOBS_PER_THREAD) -> list[int]:
+    """Where m queries are cut into jobs: one on one thread, else up to ``per_thread`` per thread of at
     least MIN_JOB_QUERIES (and at least one per thread)."""
-    jobs = 1 if threads == 1 else max(threads, min(threads * JOBS_PER_THREAD, m // MIN_JOB_QUERIES))
+    jobs = 1 if threads == 1 else max(threads, min(threads * per_thread, m // MIN_JOB_QUERIES))
     return np.linspace(0, m, jobs + 1).astype(int).tolist()
 
 
@@ -303,7 +303,7 @@ class FastScan:
                 self.lut.dim, coord.data_ptr(), bank_of.data_ptr(), bank.data_ptr(), depth, k,
                 top.values.data_ptr(), top.labels.data_ptr(), int(SIMD))
 
-        cuts = _query_cuts(m, threads)
+        cuts = _query_cuts(m, threads, 1)  # each job transposes every list its queries probe: one per thread
         status = native.parallel(call, list(zip(cuts[:-1], cuts[1:])), threads)
         top.ascending &= not any(status)
         return work
