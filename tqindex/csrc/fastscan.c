@@ -932,7 +932,7 @@ int tq_fastscan_candidates(const uint8_t *codes, int64_t n, int64_t row_bytes, i
 
 /* Candidates ranked by counting (O(depth^2)) up to this depth; deeper ones go through the heap. */
 #define RANK_MAX_DEPTH 256
-/* Re-scoring fetches the code row and scale of the candidate this many places ahead. */
+/* Re-scoring fetches the code row, scale and label of the candidate this many places ahead. */
 #define PREFETCH 8
 /* A candidate row is (list << LIST_BITS) | row of that list. */
 #define LIST_BITS 32
@@ -972,6 +972,7 @@ static int merge_query(const source_t *src, const float *ft, const float *sq, fl
             const rows_t *c = src->rows + (u >> LIST_BITS);
             __builtin_prefetch(c->codes + (u & low) * c->row_bytes);
             __builtin_prefetch(src->scale[u >> LIST_BITS] + (u & low));
+            if (src->labels[u >> LIST_BITS]) __builtin_prefetch(src->labels[u >> LIST_BITS] + (u & low));
         }
         if (v < 0) continue;
         int64_t l = v >> LIST_BITS, r = v & low;
