@@ -56,8 +56,8 @@ def _ptr(t: Tensor | None) -> int | None:
 MIN_THREAD_SCORES = 1 << 16
 """A scan uses another thread only for at least this many more (row, query) scores."""
 JOBS_PER_THREAD = 4
-"""Queries are split into up to this many jobs per thread (of at least MIN_JOB_QUERIES), which the
-threads take in turn: a thread slowed by other work takes fewer."""
+"""A flat scan splits the queries into up to this many jobs per thread (of at least MIN_JOB_QUERIES),
+which the threads take in turn: a thread slowed by other work takes fewer."""
 MIN_JOB_QUERIES = 64
 LIST_ROW_BITS = 32
 """A list scanned by :meth:`FastScan.run_lists` holds fewer than 2**LIST_ROW_BITS rows."""
