@@ -641,8 +641,8 @@ static float row_dot(const uint8_t *row, const float *table, int64_t nbytes) {
 }
 
 /* Code rows: `row_bytes` bytes each, read as `nbytes` nibble-packed bytes (bits 4: as they are; bits 3:
- * a stream of 3-bit codes, expanded to one code per nibble, and by the approximate stage to the split
- * layout of scan_nbytes(nbytes, 3) bytes). */
+ * a stream of 3-bit codes, nbytes = ceil(d / 2), scored exactly by pairs of codes and expanded by the
+ * approximate stage to the split layout of scan_nbytes(nbytes, 3) bytes). */
 typedef struct {
     const uint8_t *codes;   /* [n, row_bytes] */
     int64_t n, row_bytes, nbytes;
