@@ -2,8 +2,9 @@
 
 Each 4-bit nibble of a packed code row holds whole codes, so a query's score is ``s · Σ_t T[t][nibble_t]``
 over the row's 2·P nibbles (:meth:`LookupTables.nibble_tables`). Rows of 3-bit codes (the index keeps
-3 bits per code) are expanded in the kernel: to one code per nibble for exact scores, and to the split
-layout of :mod:`tqindex.lut` (3/4 of the nibbles, approximate) for the first stage. The kernel builds
+3 bits per code) are scored exactly by pairs of codes (64-entry tables summed from the nibble tables),
+and expanded in the kernel to the split layout of :mod:`tqindex.lut` (3/4 of the nibbles, approximate)
+for the first stage. The kernel builds
 these float tables from the rotated queries itself (:func:`table_layout` says how;
 :func:`compiled_nibble_tables` runs that step alone), turns the first stage's into uint8 tables plus a
 per-query affine map (:func:`quantize_tables` is the reference of that rule), sums 32 rows at a time

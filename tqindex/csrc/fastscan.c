@@ -139,6 +139,20 @@ static inline int32_t float_key(float f) {
     return b ^ ((b >> 31) & 0x7fffffff);
 }
 
+/* rank[i] = how many of v[0, n) (no NaN) come before v[i] in descending order (larger, or equal and
+ * earlier), through their keys key [n + 8] (scratch). */
+static void rank_floats(const float *v, int64_t n, int32_t *key, int64_t *rank, int simd) {
+    for (int64_t i = 0; i < n + 8; i++) key[i] = i < n ? float_key(v[i]) : INT32_MIN;
+#ifdef TQ_X86
+    if (simd) {
+        rank_desc_avx2(key, n, rank);
+        return;
+    }
+#endif
+    (void)simd;
+    rank_desc(key, n, rank);
+}
+
 /* Number of keys in k[0, n) at or above t. */
 static int64_t count_at_least(const int32_t *k, int64_t n, int32_t t) {
     int32_t c = 0;
@@ -665,8 +679,8 @@ static void expand3(const uint8_t *row, int64_t row_bytes, int64_t nbytes, uint8
     }
 }
 
-/* Floats of the exact tables of code rows of `bits` (exact_tables). */
-static inline int64_t exact_size(int64_t nbytes, int bits) { return (bits == 3 ? 64 : 32) * nbytes; }
+/* Floats of the pair tables exact_tables writes (none but for 3-bit codes). */
+static inline int64_t exact_size(int64_t nbytes, int bits) { return bits == 3 ? 64 * nbytes : 0; }
 
 /* The exact tables of code rows of `bits` from their float nibble tables t [2 nbytes, 16] (for 3-bit
  * codes one code per nibble): t itself, or for 3-bit codes the pair tables out [nbytes, 64], entry
@@ -989,13 +1003,7 @@ static int merge_query(const source_t *src, const float *ft, const float *sq, fl
         reservoir_shrink(&best);
         cnt = k;
     }
-    for (int64_t j = 0; j < cnt; j++) w->key[j] = float_key(w->ex[j]);
-    for (int64_t j = cnt; j < cnt + 8; j++) w->key[j] = INT32_MIN;
-#ifdef TQ_X86
-    if (simd) rank_desc_avx2(w->key, cnt, w->rank);
-    else
-#endif
-        rank_desc(w->key, cnt, w->rank);
+    rank_floats(w->ex, cnt, w->key, w->rank, simd);
     for (int64_t j = 0; j < cnt; j++) ev[k - 1 - w->rank[j]] = w->ex[j], ei[k - 1 - w->rank[j]] = w->eid[j];
     return 0;
 }
@@ -1175,11 +1183,6 @@ int tq_top_columns(const float *x, int64_t m, int64_t n, int64_t k, float *val, 
     }
     const int64_t groups = (2 * k + 7) / 8 * 8 < n ? (2 * k + 7) / 8 * 8 : n, per = n / groups;
     const int simd = cpu_avx2();
-#ifdef TQ_X86
-#define RANK(keys, cnt, rank) (simd ? rank_desc_avx2(keys, cnt, rank) : rank_desc(keys, cnt, rank))
-#else
-#define RANK(keys, cnt, rank) rank_desc(keys, cnt, rank)
-#endif
     for (int64_t i = 0; i < m; i++) {
         const float *row = x + i * n;
         float *v = val + i * k, t = -INFINITY;
@@ -1187,8 +1190,7 @@ int tq_top_columns(const float *x, int64_t m, int64_t n, int64_t k, float *val, 
         memcpy(cv, row, sizeof(float) * (size_t)groups);  /* group maxima */
         for (int64_t r = 1; r < per; r++)
             for (int64_t g = 0; g < groups; g++) cv[g] = row[r * groups + g] > cv[g] ? row[r * groups + g] : cv[g];
-        for (int64_t g = 0; g < groups + 8; g++) key[g] = g < groups ? float_key(cv[g]) : INT32_MIN;
-        RANK(key, groups, rank);
+        rank_floats(cv, groups, key, rank, simd);
         for (int64_t g = 0; g < groups; g++) t = rank[g] == k - 1 ? cv[g] : t;
         int64_t j = 0;
 #ifdef TQ_X86
@@ -1199,8 +1201,7 @@ int tq_top_columns(const float *x, int64_t m, int64_t n, int64_t k, float *val, 
             cnt += row[j] >= t;
         }
         if (cnt <= RANK_MAX_DEPTH) {
-            for (j = 0; j < cnt + 8; j++) key[j] = j < cnt ? float_key(cv[j]) : INT32_MIN;
-            RANK(key, cnt, rank);
+            rank_floats(cv, cnt, key, rank, simd);
             for (j = 0; j < cnt; j++)
                 if (rank[j] < k) v[rank[j]] = cv[j], c[rank[j]] = cc[j];
             continue;
@@ -1215,7 +1216,6 @@ int tq_top_columns(const float *x, int64_t m, int64_t n, int64_t k, float *val, 
             heap_replace_top(v, c, e, tv, tc);
         }
     }
-#undef RANK
     free(cv), free(cc), free(rank), free(key);
     return 0;
 }
