@@ -1,9 +1,12 @@
+import itertools
+
 import numpy as np
 import pytest
 import torch
 
 import tqindex as tq
-from tqindex.pca import PCA_WIDTHS, allocate
+from tqindex.packing import packed_size
+from tqindex.pca import PCA_BLOCK, PCA_WIDTHS, allocate
 from test_index import METRICS, assert_matches, brute_scores
 
 
@@ -20,10 +23,38 @@ def test_allocation_spends_the_budget_on_the_largest_variances(bits):
     groups = allocate(np.exp(-np.arange(96) / 16), bits)
     widths = [w for n, w in groups for _ in range(n)]
     assert len(widths) == 96 and set(widths) <= set(PCA_WIDTHS)
-    assert sum(widths) <= 96 * bits and sum(widths) > 96 * bits - 8 * max(PCA_WIDTHS)
+    assert packed_size(96, bits) - 1 <= sum(packed_size(n, w) for n, w in groups if w) <= packed_size(96, bits)
     assert widths == sorted(widths, reverse=True)  # more bits for larger variances
     assert widths[0] > widths[-1] or bits == max(PCA_WIDTHS)
     assert allocate(np.ones(64), 2) == [[64, 2]]  # isotropic: the plain width
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("bits", [1, 2, 3])
+def test_allocation_is_the_best_split_within_the_bytes(bits, seed):
+    """Against every width per block (no order imposed) on 14 directions: the same least error."""
+    d = 14
+    variances = np.sort(np.random.default_rng(seed).exponential(size=d) ** 2)[::-1]
+    dist = {0: 1.0, **{w: tq.codebooks.lloyd_max(64, w).distortion for w in PCA_WIDTHS[1:]}}
+    sizes = [min(PCA_BLOCK, d - s) for s in range(0, d, PCA_BLOCK)]
+    energy = np.add.reduceat(variances, np.arange(0, d, PCA_BLOCK))
+
+    def error(widths):
+        return sum(e * dist[w] for e, w in zip(energy, widths))
+
+    def nbytes(widths):  # runs of equal width are packed together
+        runs = [[n, w] for n, w in zip(sizes, widths)]
+        for a, b in zip(runs[::-1][1:], runs[::-1]):
+            if a[1] == b[1]:
+                a[0], b[0] = a[0] + b[0], 0
+        return sum(packed_size(n, w) for n, w in runs if w and n)
+
+    best = min(error(ws) for ws in itertools.product(PCA_WIDTHS, repeat=len(sizes))
+               if nbytes(ws) <= packed_size(d, bits))
+    groups = allocate(variances, bits)
+    widths = [w for n, w in groups for _ in range(n)][::PCA_BLOCK]
+    assert sum(packed_size(n, w) for n, w in groups if w) <= packed_size(d, bits)
+    assert error(widths) == pytest.approx(best, rel=1e-12)
 
 
 def test_trained_codes_beat_random_rotation_at_equal_bytes():

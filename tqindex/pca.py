@@ -3,9 +3,10 @@
 A random rotation spreads every direction's energy evenly, which is optimal for isotropic data but
 wastes bits on anisotropic embeddings (a few principal directions hold most of the energy). This
 encoder is trained once: ``train(x)`` takes the principal axes of the unit rows (second moment, no
-centering), splits them, in order of decreasing variance, into groups of 8 and gives each group a
-width of 0, 1, 2 or 4 bits per coordinate (greedy reverse water-filling under the budget
-``dim · bits``, with the Lloyd-Max distortions of each width), then rotates each group of equal width
+centering), splits them, in order of decreasing variance, into blocks of 4 and gives each block a
+width of 0, 1, 2 or 4 bits per coordinate (the reverse water-filling that minimizes the expected
+squared error within the bytes of plain ``bits``-bit codes, with the Lloyd-Max distortions of each
+width: see :func:`allocate`), then rotates each group of equal width
 by a seeded Haar rotation. Coordinates of group g use the Lloyd-Max codebook for dimension
 ``size_g`` scaled to the group's variance. A vector is then encoded like TurboQuantMSE: the direction
 search over pre-scales (one pre-scale for the whole vector, each coordinate with its group's
@@ -15,7 +16,6 @@ lookup-table scans serve these codes too.
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,47 +31,37 @@ from .turboquant import NORM_DTYPES, _check_choice, _unit_rows, direction_search
 
 PCA_WIDTHS = (0, 1, 2, 4)
 """Bits per coordinate a group may get."""
-PCA_BLOCK = 8
+PCA_BLOCK = 4
 """Principal directions are allocated in blocks of this many."""
 TRAIN_ROWS = 200_000
 """train() uses at most this many rows (a seeded sample)."""
 
 
 def allocate(variances: np.ndarray, bits: int) -> list[list[int]]:
-    """Widths for principal directions with ``variances`` (descending) under a budget of
-    ``len(variances) · bits`` bits: greedy on distortion reduction per bit, blocks of PCA_BLOCK,
-    widths in PCA_WIDTHS. -> groups ``[[size, width], ...]`` (consecutive blocks of equal width merged)."""
+    """Widths for principal directions with ``variances`` [d] (descending) that fit the bytes of plain
+    ``bits``-bit codes, ``packed_size(d, bits)``, and minimize the expected squared error
+    ``sum(variance · D(width))`` (D: the Lloyd-Max distortion per unit variance, 1 at width 0).
+
+    Widths are in PCA_WIDTHS and constant over blocks of PCA_BLOCK directions. An optimum gives the
+    larger variances the wider codes, so the widths fall along the principal order: every split into
+    runs of width 4, 2 and 1 (the width-1 run as long as the bytes allow) is scored, the best kept.
+    -> groups ``[[size, width], ...]`` in principal order, empty runs left out.
+    """
     d = len(variances)
-    gain_of = {0: 1.0, **{b: lloyd_max(max(d, 64), b).distortion for b in PCA_WIDTHS[1:]}}  # error per unit variance
-    nxt = dict(zip(PCA_WIDTHS[:-1], PCA_WIDTHS[1:]))
-    starts = list(range(0, d, PCA_BLOCK))
-    sizes = [min(PCA_BLOCK, d - s) for s in starts]
-    energy = [float(variances[s : s + n].sum()) for s, n in zip(starts, sizes)]
-    width = [0] * len(starts)
-    budget = d * bits
-
-    def step(i: int) -> tuple[float, int, int]:
-        w = width[i]
-        cost = sizes[i] * (nxt[w] - w)
-        return -energy[i] * (gain_of[w] - gain_of[nxt[w]]) / cost, i, cost
-
-    heap = [step(i) for i in range(len(starts))]
-    heapq.heapify(heap)
-    while heap:
-        _, i, cost = heapq.heappop(heap)
-        if cost > budget:
-            continue
-        budget -= cost
-        width[i] = nxt[width[i]]
-        if width[i] in nxt:
-            heapq.heappush(heap, step(i))
-    groups: list[list[int]] = []
-    for n, w in zip(sizes, width):
-        if groups and groups[-1][1] == w:
-            groups[-1][0] += n
-        else:
-            groups.append([n, w])
-    return groups
+    dist = {w: lloyd_max(max(d, 64), w).distortion for w in PCA_WIDTHS[1:]}
+    ends = np.unique(np.r_[np.arange(0, d, PCA_BLOCK), d])  # [m] possible run ends
+    energy = np.r_[0.0, np.cumsum(np.asarray(variances, np.float64))][ends]  # variance before each end
+    i, j = np.triu_indices(len(ends))  # width 4 up to ends[i], width 2 up to ends[j]
+    n4, n2 = ends[i], ends[j] - ends[i]
+    room = packed_size(d, bits) - (n4 * 4 + 7) // 8 - (n2 * 2 + 7) // 8  # bytes left for width 1
+    ok = room >= 0
+    i, j, room = i[ok], j[ok], room[ok]
+    k = np.searchsorted(ends, ends[j] + 8 * room, side="right") - 1  # width 1 up to ends[k]
+    error = (energy[i] * dist[4] + (energy[j] - energy[i]) * dist[2] + (energy[k] - energy[j]) * dist[1]
+             + energy[-1] - energy[k])
+    best = int(np.argmin(error))
+    cuts = [0, ends[i[best]], ends[j[best]], ends[k[best]], d]
+    return [[int(hi - lo), w] for lo, hi, w in zip(cuts, cuts[1:], (4, 2, 1, 0)) if hi > lo]
 
 
 @register_class
