@@ -230,35 +230,40 @@ def environment(threads: list[int]) -> dict[str, Any]:
 
 
 def summarize(rows: list[dict[str, Any]], threads: list[int]) -> list[dict[str, Any]]:
-    """Per bit width: tqindex's default encoder "tq{b}" against every other method at that width.
+    """Per bit width: tqindex's default encoder "tq{b}" against every other method at that width, and
+    the trained "tq{b}-pca" against every method of another family.
 
-    ``qps_ratio_{t}t`` = best QPS of tq{b} / best QPS of the method (> 1: tqindex faster), and
+    ``qps_ratio_{t}t`` = best QPS of the tqindex method / best QPS of the other (> 1: tqindex faster), and
     ``qps_ratio_paired_{t}t`` the median over rounds of the two QPS measured in the same round (less
     moved by a slow spell that caught one method's best), beside both recalls.
     """
     out = []
     by_name = {r["method"]: r for r in rows if "error" not in r}
     for bits in sorted({r["bits"] for r in rows}):
-        ref = by_name.get(f"tq{bits}")
-        if ref is None:
-            continue
-        for r in rows:
-            if r["bits"] != bits or r["method"] == ref["method"] or "error" in r:
+        for ref in (by_name.get(f"tq{bits}"), by_name.get(f"tq{bits}-pca")):
+            if ref is None:
                 continue
-            item = {"bits": bits, "tqindex": ref["method"], "baseline": r["method"],
-                    "tqindex_bytes": ref["bytes_per_vector"], "baseline_bytes": r["bytes_per_vector"],
-                    "tqindex_r1@1": ref["recall@1@k"]["1"], "baseline_r1@1": r["recall@1@k"]["1"],
-                    "tqindex_r10@10": ref["recall@10@10"], "baseline_r10@10": r["recall@10@10"]}
-            for t in threads:
-                item[f"qps_ratio_{t}t"] = round(ref[f"qps_{t}t"] / r[f"qps_{t}t"], 3)
-                paired = [a / b for a, b in zip(ref[f"qps_rounds_{t}t"], r[f"qps_rounds_{t}t"])]
-                item[f"qps_ratio_paired_{t}t"] = round(float(np.median(paired)), 3)
-            out.append(item)
+            out += [_compare(ref, r, threads) for r in rows if r["bits"] == bits and "error" not in r
+                    and r["method"] != ref["method"]
+                    and (ref["method"] == f"tq{bits}" or r["family"] != ref["family"])]
     return out
 
 
+def _compare(ref: dict[str, Any], r: dict[str, Any], threads: list[int]) -> dict[str, Any]:
+    """One summary item: tqindex method ``ref`` against method ``r`` (see :func:`summarize`)."""
+    item = {"bits": r["bits"], "tqindex": ref["method"], "baseline": r["method"],
+            "tqindex_bytes": ref["bytes_per_vector"], "baseline_bytes": r["bytes_per_vector"],
+            "tqindex_r1@1": ref["recall@1@k"]["1"], "baseline_r1@1": r["recall@1@k"]["1"],
+            "tqindex_r10@10": ref["recall@10@10"], "baseline_r10@10": r["recall@10@10"]}
+    for t in threads:
+        item[f"qps_ratio_{t}t"] = round(ref[f"qps_{t}t"] / r[f"qps_{t}t"], 3)
+        paired = [a / b for a, b in zip(ref[f"qps_rounds_{t}t"], r[f"qps_rounds_{t}t"])]
+        item[f"qps_ratio_paired_{t}t"] = round(float(np.median(paired)), 3)
+    return item
+
+
 def markdown(result: dict[str, Any]) -> str:
-    """The results as markdown: a per-method table and the per-bit-width comparison with tq{b}."""
+    """The results as markdown: a per-method table and the per-bit-width comparisons (:func:`summarize`)."""
     args, env, threads = result["args"], result["env"], result["args"]["threads"]
     versions = env.get("versions", env)
     ks = ["1", "4", "16", "64"]
@@ -291,16 +296,16 @@ def markdown(result: dict[str, Any]) -> str:
             + f" | {r['recall@10@10']:.3f} | "
             + " | ".join(f"{r[f'qps_{t}t']:,.0f}" for t in threads) + " |")
     if result["summary"]:
-        lines += ["", "## tq{b} against each method at the same bit width", "",
+        lines += ["", "## tq{b} and tq{b}-pca against each method at the same bit width", "",
                   "QPS ratio > 1: tqindex is faster: best QPS over best QPS, then (paired) the median "
                   "over rounds of the ratio of the two searches timed in the same round. Recall R@1@1 / "
                   "R@10@10.", "",
-                  "| bits | method | B/vec (tq / it) | R@1@1 (tq / it) | R@10@10 (tq / it) | "
+                  "| bits | tqindex | method | B/vec (tq / it) | R@1@1 (tq / it) | R@10@10 (tq / it) | "
                   + " | ".join(f"QPS ratio {t}t | paired {t}t" for t in threads) + " |",
-                  "|--:|---|--:|--:|--:|" + "--:|" * (2 * len(threads))]
+                  "|--:|---|---|--:|--:|--:|" + "--:|" * (2 * len(threads))]
         for s in result["summary"]:
             lines.append(
-                f"| {s['bits']} | {s['baseline']} | {s['tqindex_bytes']:g} / {s['baseline_bytes']:g} | "
+                f"| {s['bits']} | {s['tqindex']} | {s['baseline']} | {s['tqindex_bytes']:g} / {s['baseline_bytes']:g} | "
                 f"{s['tqindex_r1@1']:.3f} / {s['baseline_r1@1']:.3f} | "
                 f"{s['tqindex_r10@10']:.3f} / {s['baseline_r10@10']:.3f} | "
                 + " | ".join(f"{s[f'qps_ratio_{t}t']:.2f} | {s[f'qps_ratio_paired_{t}t']:.2f}" for t in threads)
