@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from tqindex.packing import PACK_BITS, pack, packed_size, unpack, unpack_values
+from tqindex import native
+from tqindex.packing import PACK_BITS, pack, pack_reference, packed_size, unpack, unpack_values
 
 
 @pytest.mark.parametrize("bits", PACK_BITS)
@@ -21,6 +22,15 @@ def test_layout_is_a_little_endian_bit_stream(bits):
     stream += "0" * (8 * packed_size(dim, bits) - len(stream))
     expect = [int(stream[8 * i : 8 * i + 8][::-1], 2) for i in range(packed_size(dim, bits))]
     assert pack(codes, bits)[0].tolist() == expect
+
+
+@pytest.mark.skipif(not native.available(), reason="compiled kernels not built")
+@pytest.mark.parametrize("bits", PACK_BITS)
+@pytest.mark.parametrize("dim", [1, 5, 8, 13, 50, 384])
+def test_compiled_packing_equals_reference(bits, dim):
+    codes = torch.randint(0, 2**bits, (9000, dim), dtype=torch.uint8)  # rows in more than one job on 2+ threads
+    assert torch.equal(pack(codes, bits), pack_reference(codes, bits))
+    assert torch.equal(pack(codes[:, None, :3], bits), pack_reference(codes[:, None, :3], bits))  # a strided view
 
 
 def test_nibble_order():

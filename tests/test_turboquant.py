@@ -105,6 +105,25 @@ def test_compiled_direction_search_equals_reference(bits, dim, candidates, simd)
     torch.testing.assert_close(sq, got_c.square().sum(1), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.skipif(not native.available(), reason="compiled kernels not built")
+@pytest.mark.parametrize("simd", [True, False])
+def test_compiled_direction_search_over_runs_of_any_length(simd):
+    """Runs of 4, 2 and 1 bits (each with its own codebook) whose lengths are not multiples of 8."""
+    runs = []
+    for n, bits in [(5, 4), (13, 2), (3, 1), (9, 3)]:
+        s = tq.TurboQuantMSE(dim=64, bits=bits).tensors()
+        runs.append((n, s["centroids"], s["boundaries"]))
+    y = unit_vectors(3000, 30, seed=3)
+    alphas = search_alphas(6)
+    idx, dot, sq = _quantize_direction_native(y, runs, alphas, allow_simd=simd)
+    ref_idx, ref_dot, ref_sq = quantize_direction_reference(y, runs, alphas)
+    c = torch.cat([runs[r][1][idx[:, a:b].long()] for r, (a, b) in enumerate([(0, 5), (5, 18), (18, 21), (21, 30)])], 1)
+    assert (dot / sq.sqrt() >= ref_dot / ref_sq.sqrt() - 1e-6).all()
+    assert (idx.int() == ref_idx).all(1).float().mean() > 0.99
+    torch.testing.assert_close(dot, (y * c).sum(1), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sq, c.square().sum(1), rtol=1e-5, atol=1e-6)
+
+
 def test_codebooks_are_symmetric():  # the compiled direction search relies on it
     for bits in (1, 2, 3, 4, 8):
         s = tq.TurboQuantMSE(dim=50, bits=bits).tensors()

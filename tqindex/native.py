@@ -1,5 +1,5 @@
 """The compiled CPU kernels (``csrc/``: the nibble lookup-table scan with the IVF coarse step's selection,
-and the Q_mse direction search).
+the Q_mse direction search and bit packing).
 
 They are built by ``pip install`` when a C compiler is present (``setup.py``) and called through
 ctypes, which releases the GIL, so the kernels run in parallel on a thread pool. :func:`available`
@@ -13,6 +13,8 @@ import importlib.util
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from typing import Any, Callable, Sequence
+
+import torch
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -28,6 +30,7 @@ _SIGNATURES = {
     "tq_top_columns": (_C, [_P, _I, _I, _I, _P, _P]),
     "tq_group_pairs": (None, [_P, _I, _I, _I, _P, _P]),
     "tq_quantize_direction": (_C, [_P, _I, _I, _P, _I, _I, _P, _P, _P, _P, _P, _P, _P, _C]),
+    "tq_pack": (_C, [_P, _I, _I, _I, _P]),
 }
 
 
@@ -55,6 +58,17 @@ def require() -> ctypes.CDLL:
     if lib is None:
         raise RuntimeError("the compiled kernels are not built (reinstall tqindex where a C compiler is available)")
     return lib
+
+
+MIN_ROWS_PER_JOB = 4096
+"""Row-wise kernels split their rows into jobs of at least this many (and no more jobs than threads)."""
+
+
+def row_jobs(n: int) -> list[tuple[int, int]]:
+    """(first, end) row ranges splitting n rows over torch's thread count, MIN_ROWS_PER_JOB rows or more each."""
+    parts = max(1, min(torch.get_num_threads(), n // MIN_ROWS_PER_JOB))
+    cuts = [round(i * n / parts) for i in range(parts + 1)]
+    return list(zip(cuts[:-1], cuts[1:]))
 
 
 @cache

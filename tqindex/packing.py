@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import native
+
 PACK_BITS = (1, 2, 3, 4, 8)
 
 
@@ -27,7 +29,26 @@ def _check_bits(bits: int) -> None:
 
 
 def pack(codes: Tensor, bits: int) -> Tensor:
-    """Pack integer codes [..., dim] with values in [0, 2^bits) into uint8 [..., ceil(dim·bits/8)]."""
+    """Pack integer codes [..., dim] with values in [0, 2^bits) into uint8 [..., ceil(dim·bits/8)].
+
+    CPU rows go through the compiled kernel (``csrc/packing.c``) when it is built, others through
+    :func:`pack_reference`."""
+    _check_bits(bits)
+    c = codes.to(torch.uint8)
+    if bits == 8:
+        return c
+    if c.device.type == "cpu" and c.numel() and native.available():
+        rows = c.reshape(-1, c.shape[-1]).contiguous()
+        out = torch.empty(len(rows), packed_size(c.shape[-1], bits), dtype=torch.uint8)
+        lib = native.require()
+        native.parallel(lambda a, b: lib.tq_pack(rows[a:].data_ptr(), b - a, rows.shape[1], bits, out[a:].data_ptr()),
+                        native.row_jobs(len(rows)))
+        return out.reshape(*c.shape[:-1], out.shape[-1])
+    return pack_reference(c, bits)
+
+
+def pack_reference(codes: Tensor, bits: int) -> Tensor:
+    """PyTorch :func:`pack` (any device; the reference of the compiled kernel)."""
     _check_bits(bits)
     dim = codes.shape[-1]
     c = codes.to(torch.uint8)

@@ -18,8 +18,6 @@ from .rotation import ROTATION_KINDS, seeded_rng
 RESCALE_MODES = ("norm", "unbiased", "cos")
 CODE_SEARCH_RANGE = (0.85, 1.25)
 """Pre-scales tried by ``code_search``: codes of ``alpha · R u`` for alpha in this range."""
-NATIVE_MIN_ROWS = 4096
-"""Rows per thread, at least, when the compiled direction search is split over threads."""
 NORM_DTYPES = {"float16": torch.float16, "float32": torch.float32}
 MSE_BITS = (1, 2, 3, 4, 8)
 _SIGNS = torch.tensor([-1.0, 1.0])
@@ -76,8 +74,6 @@ def _quantize_direction_native(y: Tensor, runs: list[Run], alphas: Tensor,
     n, d = y.shape
     idx = torch.empty(n, d, dtype=torch.uint8)
     dot, sq = torch.empty(n), torch.empty(n)
-    parts = max(1, min(torch.get_num_threads(), n // NATIVE_MIN_ROWS))
-    cuts = [round(i * n / parts) for i in range(parts + 1)]
     lib = native.require()
 
     def call(a: int, b: int) -> int:
@@ -85,7 +81,7 @@ def _quantize_direction_native(y: Tensor, runs: list[Run], alphas: Tensor,
                                          seg_len.data_ptr(), seg_h.data_ptr(), levels.data_ptr(), bounds.data_ptr(),
                                          idx[a:].data_ptr(), dot[a:].data_ptr(), sq[a:].data_ptr(), int(allow_simd))
 
-    native.parallel(call, list(zip(cuts[:-1], cuts[1:])))
+    native.parallel(call, native.row_jobs(n))
     return idx, dot, sq
 
 

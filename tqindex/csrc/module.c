@@ -1,4 +1,4 @@
-/* Makes the kernel library (fastscan.c, quantize.c) importable as the extension module tqindex._native;
+/* Makes the kernel library (fastscan.c, quantize.c, packing.c) importable as the extension module tqindex._native;
  * its functions are called through ctypes (tqindex/native.py). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

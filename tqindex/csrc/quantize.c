@@ -51,34 +51,94 @@ static void alpha_sums_generic(const float *ay, int64_t d, float alpha, const fl
     *dot = s, *sq = q;
 }
 
+/* One run of coordinates: its codebook half (levels padded to MAX_H, nb = H - 1 boundaries), its length
+ * and its slot in the row's |y| buffer (8-aligned, len rounded up to 8 floats, zeros past len). */
+typedef struct {
+    int64_t len, slot;
+    const float *levels, *bounds;
+    int nb;
+} run_t;
+
+/* The pre-scale (first on ties) whose code maximizes cos(y, c) over the row's runs, with that code's
+ * <|y|, |c|> = <y, c> and ||c||^2 (portable loop). */
+static void best_alpha_generic(const float *ay, const run_t *runs, int64_t nrun, const float *alphas, int64_t A,
+                               float *balpha, float *bdot, float *bsq) {
+    float best = -INFINITY;
+    *balpha = alphas[0], *bdot = 0.f, *bsq = 0.f;
+    for (int64_t a = 0; a < A; a++) {
+        float s_all = 0.f, q_all = 0.f;
+        for (int64_t r = 0; r < nrun; r++) {
+            float sv, qv;
+            alpha_sums_generic(ay + runs[r].slot, runs[r].len, alphas[a], runs[r].levels, runs[r].bounds, runs[r].nb, &sv, &qv);
+            s_all += sv, q_all += qv;
+        }
+        float c = q_all > 0.f ? s_all / sqrtf(q_all) : 0.f;
+        if (c > best) best = c, *bdot = s_all, *bsq = q_all, *balpha = alphas[a];
+    }
+}
+
 #ifdef TQ_X86
 #define AVX2 __attribute__((target("avx2,fma")))
 
-AVX2 static void alpha_sums_avx2(const float *ay, int64_t d, float alpha, const float *lv, const float *bd, int nb,
-                                 float *dot, float *sq) {
-    __m256 levels = _mm256_loadu_ps(lv), a = _mm256_set1_ps(alpha);
-    __m256 b[MAX_H];
-    for (int k = 0; k < nb; k++) b[k] = _mm256_set1_ps(bd[k]);
-    __m256 s = _mm256_setzero_ps(), q = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= d; i += 8) {
-        __m256 y = _mm256_loadu_ps(ay + i), v = _mm256_mul_ps(y, a);
+AVX2 static inline float hsum(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+/* Lanes [0, m) set (m in 1..8). */
+AVX2 static inline __m256i tail_mask(int64_t m) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)m), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* s += <l, y>, q += <l, l> over one run's slot yr at pre-scale al (l: the levels of al·y, zero past len).
+ * Inlined with a constant nb at each call of run_sums_nb, so the boundary compares unroll. */
+__attribute__((always_inline)) AVX2 static inline void run_sums(const float *yr, int64_t len, __m256 al, __m256 levels,
+                                                                const __m256 *b, int nb, __m256 *s, __m256 *q) {
+    for (int64_t i = 0; i < len; i += 8) {
+        __m256 y = _mm256_loadu_ps(yr + i), v = _mm256_mul_ps(y, al);
         __m256i j = _mm256_setzero_si256();
         for (int k = 0; k < nb; k++) j = _mm256_sub_epi32(j, _mm256_castps_si256(_mm256_cmp_ps(v, b[k], _CMP_GT_OQ)));
         __m256 l = _mm256_permutevar8x32_ps(levels, j);
-        s = _mm256_fmadd_ps(l, y, s);
-        q = _mm256_fmadd_ps(l, l, q);
+        if (i + 8 > len) l = _mm256_and_ps(l, _mm256_castsi256_ps(tail_mask(len - i)));
+        *s = _mm256_fmadd_ps(l, y, *s);
+        *q = _mm256_fmadd_ps(l, l, *q);
     }
-    float ts[8], tq[8], rs = 0.f, rq = 0.f;
-    _mm256_storeu_ps(ts, s);
-    _mm256_storeu_ps(tq, q);
-    for (int k = 0; k < 8; k++) rs += ts[k], rq += tq[k];
-    for (; i < d; i++) {
-        float l = lv[level_of(alpha * ay[i], bd, nb)];
-        rs += l * ay[i];
-        rq += l * l;
+}
+
+AVX2 static void run_sums_nb(const float *yr, int64_t len, __m256 al, __m256 levels, const __m256 *b, int nb,
+                             __m256 *s, __m256 *q) {
+    switch (nb) {  /* the codebooks of 1, 2, 3 and 4 bits */
+    case 0: run_sums(yr, len, al, levels, b, 0, s, q); break;
+    case 1: run_sums(yr, len, al, levels, b, 1, s, q); break;
+    case 3: run_sums(yr, len, al, levels, b, 3, s, q); break;
+    case 7: run_sums(yr, len, al, levels, b, 7, s, q); break;
+    default: run_sums(yr, len, al, levels, b, nb, s, q);
     }
-    *dot = rs, *sq = rq;
+}
+
+/* The best pre-scale of one row (see best_alpha_generic): each run's |y| is read from its slot 8
+ * coordinates at a time, its codebook held in registers over up to 8 pre-scales at once. */
+AVX2 static void best_alpha_avx2(const float *ay, const run_t *runs, int64_t nrun, const float *alphas, int64_t A,
+                                 float *balpha, float *bdot, float *bsq) {
+    float best = -INFINITY;
+    *balpha = alphas[0], *bdot = 0.f, *bsq = 0.f;
+    for (int64_t a0 = 0; a0 < A; a0 += 8) {
+        int64_t na = A - a0 < 8 ? A - a0 : 8;
+        __m256 S[8], Q[8], b[MAX_H];
+        for (int64_t a = 0; a < na; a++) S[a] = Q[a] = _mm256_setzero_ps();
+        for (int64_t r = 0; r < nrun; r++) {
+            const run_t *run = runs + r;
+            __m256 levels = _mm256_loadu_ps(run->levels);
+            for (int k = 0; k < run->nb; k++) b[k] = _mm256_set1_ps(run->bounds[k]);
+            for (int64_t a = 0; a < na; a++)
+                run_sums_nb(ay + run->slot, run->len, _mm256_set1_ps(alphas[a0 + a]), levels, b, run->nb, S + a, Q + a);
+        }
+        for (int64_t a = 0; a < na; a++) {
+            float sv = hsum(S[a]), qv = hsum(Q[a]), c = qv > 0.f ? sv / sqrtf(qv) : 0.f;
+            if (c > best) best = c, *bdot = sv, *bsq = qv, *balpha = alphas[a0 + a];
+        }
+    }
 }
 
 AVX2 static void write_codes_avx2(const float *row, const float *ay, int64_t d, float alpha, const float *bd, int nb,
@@ -104,7 +164,7 @@ AVX2 static void write_codes_avx2(const float *row, const float *ay, int64_t d, 
 }
 #endif
 
-typedef void (*sums_fn)(const float *, int64_t, float, const float *, const float *, int, float *, float *);
+typedef void (*row_fn)(const float *, const run_t *, int64_t, const float *, int64_t, float *, float *, float *);
 typedef void (*codes_fn)(const float *, const float *, int64_t, float, const float *, int, int, uint8_t *);
 
 static int use_simd(int allow_simd) {
@@ -125,46 +185,41 @@ static int use_simd(int allow_simd) {
 int tq_quantize_direction(const float *y, int64_t n, int64_t d, const float *alphas, int64_t A, int64_t nseg,
                           const int64_t *seg_len, const int64_t *seg_H, const float *pos_levels,
                           const float *pos_bounds, uint8_t *idx, float *dot, float *sq, int allow_simd) {
-    int64_t total = 0;
+    int64_t total = 0, slots = 0;
     for (int64_t s = 0; s < nseg; s++) {
         if (seg_H[s] < 1 || seg_H[s] > MAX_H || seg_len[s] < 0) return -1;
-        total += seg_len[s];
+        total += seg_len[s], slots += (seg_len[s] + 7) / 8 * 8;
     }
     if (total != d) return -1;
-    sums_fn sums = alpha_sums_generic;
+    row_fn best_alpha = best_alpha_generic;
     codes_fn write_codes = write_codes_generic;
 #ifdef TQ_X86
-    if (use_simd(allow_simd)) sums = alpha_sums_avx2, write_codes = write_codes_avx2;
+    if (use_simd(allow_simd)) best_alpha = best_alpha_avx2, write_codes = write_codes_avx2;
 #endif
     float *lv = calloc((size_t)(nseg * MAX_H + 1), sizeof(float)), *bd = calloc((size_t)(nseg * MAX_H + 1), sizeof(float));
-    float *ay = malloc(sizeof(float) * (size_t)(d > 0 ? d : 1));
-    if (!lv || !bd || !ay) {
-        free(lv), free(bd), free(ay);
+    float *ay = calloc((size_t)(slots + 1), sizeof(float));  /* |y| of each run in its slot, zeros after */
+    run_t *runs = malloc(sizeof(run_t) * (size_t)(nseg + 1));
+    if (!lv || !bd || !ay || !runs) {
+        free(lv), free(bd), free(ay), free(runs);
         return -2;
     }
-    for (int64_t s = 0; s < nseg; s++) {  /* padded to MAX_H: alpha_sums_avx2 loads 8 levels */
+    for (int64_t s = 0, slot = 0; s < nseg; s++) {  /* levels padded to MAX_H: the AVX2 path loads 8 */
         memcpy(lv + s * MAX_H, pos_levels + s * MAX_H, sizeof(float) * (size_t)seg_H[s]);
         memcpy(bd + s * MAX_H, pos_bounds + s * MAX_H, sizeof(float) * (size_t)(seg_H[s] - 1));
+        runs[s] = (run_t){seg_len[s], slot, lv + s * MAX_H, bd + s * MAX_H, (int)seg_H[s] - 1};
+        slot += (seg_len[s] + 7) / 8 * 8;
     }
     for (int64_t r = 0; r < n; r++) {
         const float *row = y + r * d;
-        for (int64_t i = 0; i < d; i++) ay[i] = fabsf(row[i]);
-        float best = -INFINITY, bdot = 0.f, bsq = 0.f, balpha = alphas[0];
-        for (int64_t a = 0; a < A; a++) {
-            float s_all = 0.f, q_all = 0.f;
-            for (int64_t s = 0, i0 = 0; s < nseg; i0 += seg_len[s++]) {
-                float sv, qv;
-                sums(ay + i0, seg_len[s], alphas[a], lv + s * MAX_H, bd + s * MAX_H, (int)seg_H[s] - 1, &sv, &qv);
-                s_all += sv, q_all += qv;
-            }
-            float c = q_all > 0.f ? s_all / sqrtf(q_all) : 0.f;
-            if (c > best) best = c, bdot = s_all, bsq = q_all, balpha = alphas[a];
-        }
         for (int64_t s = 0, i0 = 0; s < nseg; i0 += seg_len[s++])
-            write_codes(row + i0, ay + i0, seg_len[s], balpha, bd + s * MAX_H, (int)seg_H[s] - 1, (int)seg_H[s],
+            for (int64_t i = 0; i < seg_len[s]; i++) ay[runs[s].slot + i] = fabsf(row[i0 + i]);
+        float balpha, bdot, bsq;
+        best_alpha(ay, runs, nseg, alphas, A, &balpha, &bdot, &bsq);
+        for (int64_t s = 0, i0 = 0; s < nseg; i0 += seg_len[s++])
+            write_codes(row + i0, ay + runs[s].slot, seg_len[s], balpha, runs[s].bounds, runs[s].nb, (int)seg_H[s],
                         idx + r * d + i0);
         dot[r] = bdot, sq[r] = bsq;
     }
-    free(lv), free(bd), free(ay);
+    free(lv), free(bd), free(ay), free(runs);
     return 0;
 }
