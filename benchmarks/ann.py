@@ -7,8 +7,8 @@ For every bit width b, each tqindex encoder at b bits ("tq{b}", "tq{b}-norm", "t
 bytes (faiss TurboQuant scalar quantizers, EDEN, RaBitQ, RaBitQ FastScan, PQ and PQ FastScan sized
 to tqindex's bytes per vector, classic SQ4, turbovec), are built on the same base vectors and
 searched with the same queries. Per method: bytes per vector (codes + per-vector side data), build
-time (train + add; the best of up to 3 builds when they are quick), recall@1@k for k = 1, 2, 4, ..., 64 and recall@10@10 from exact scores (ties with the true
-neighbours count; one k=64 search, sliced),
+time (train + add; the best of up to 3 builds when they are quick), recall@1@k for k = 1, 2, 4, ...,
+64 and recall@10@10 from exact scores (ties with the true neighbours count; one k=64 search, sliced),
 and queries per second of one batched search at each thread count (best of a few runs).
 
 Cosine data are normalized and searched by inner product. Full runs write ``ann_<dataset>.json``

@@ -53,7 +53,7 @@ def allocate(variances: np.ndarray, bits: int) -> list[list[int]]:
     energy = np.r_[0.0, np.cumsum(np.asarray(variances, np.float64))][ends]  # variance before each end
     i, j = np.triu_indices(len(ends))  # width 4 up to ends[i], width 2 up to ends[j]
     n4, n2 = ends[i], ends[j] - ends[i]
-    room = packed_size(d, bits) - (n4 * 4 + 7) // 8 - (n2 * 2 + 7) // 8  # bytes left for width 1
+    room = packed_size(d, bits) - packed_size(n4, 4) - packed_size(n2, 2)  # bytes left for width 1
     ok = room >= 0
     i, j, room = i[ok], j[ok], room[ok]
     k = np.searchsorted(ends, ends[j] + 8 * room, side="right") - 1  # width 1 up to ends[k]
