@@ -180,7 +180,7 @@ def test_interrupted_add_leaves_index_unchanged(monkeypatch):
     before, next_id = snapshot(index, q), index._next_id
     monkeypatch.setattr(tqi, "ADD_CHUNK", 4)
     calls = {"n": 0}
-    encode = index.encoder.encode
+    encode = index.encoder.encode_valid
 
     def interrupted(x):
         calls["n"] += 1
@@ -188,7 +188,7 @@ def test_interrupted_add_leaves_index_unchanged(monkeypatch):
             raise KeyboardInterrupt
         return encode(x)
 
-    monkeypatch.setattr(index.encoder, "encode", interrupted)
+    monkeypatch.setattr(index.encoder, "encode_valid", interrupted)
     with pytest.raises(KeyboardInterrupt):
         index.add(data(10, 50, 1))
     assert snapshot(index, q) == before and index._next_id == next_id

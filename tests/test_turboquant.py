@@ -1,12 +1,15 @@
 import math
 
+import numpy as np
 import pytest
 import torch
 
 import tqindex as tq
 from tqindex import native
 from tqindex.codebooks import lloyd_max
-from tqindex.turboquant import _quantize_direction_native, quantize_direction_reference, search_alphas
+from tqindex.packing import packed_size, unpack
+from tqindex.rotation import Rotation
+from tqindex.turboquant import _encode_directions_native, encode_directions_reference, search_alphas
 
 from conftest import unit_vectors
 
@@ -84,44 +87,59 @@ def test_bad_options():
         tq.TurboQuantMSE(dim=1)
 
 
+def _levels(qdata, runs):
+    """The code levels c [N, coded columns] of packed qdata over runs (reference unpacking)."""
+    parts, byte = [], 0
+    for width, c, _ in runs:
+        if c is not None:
+            bits = len(c).bit_length() - 1
+            nb = packed_size(width, bits)
+            parts.append(c[unpack(qdata[:, byte : byte + nb], bits, width).long()])
+            byte += nb
+    return torch.cat(parts, 1)
+
+
+def _check_against_reference(x, rotation, runs, alphas, simd):
+    qdata, norm, dot, sq = _encode_directions_native(x, rotation, runs, alphas, allow_simd=simd)
+    ref_q, ref_norm, ref_dot, ref_sq = encode_directions_reference(x, rotation, runs, alphas)
+    y = rotation.apply(x)
+    u = y / y.norm(dim=1, keepdim=True).clamp_min(1e-30)
+    u = torch.cat([u[:, a : a + w] for a, (w, c, _) in zip(np.cumsum([0] + [r[0] for r in runs]), runs) if c is not None], 1)
+    c, ref_c = _levels(qdata, runs), _levels(ref_q, runs)
+    assert qdata.shape == ref_q.shape and qdata.dtype == torch.uint8
+    # The same code but where float rounding (of ||y||, of a pre-scale's cosine) decides a tie, and as good
+    assert (qdata == ref_q).all(1).float().mean() > 0.99
+    assert ((u * c).sum(1) / c.norm(dim=1) >= (u * ref_c).sum(1) / ref_c.norm(dim=1) - 5e-3).all()
+    torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dot, (u * c).sum(1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sq, c.square().sum(1), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.skipif(not native.available(), reason="compiled kernels not built")
 @pytest.mark.parametrize("bits", [1, 2, 3, 4])
-@pytest.mark.parametrize("dim", [7, 50, 130])
+@pytest.mark.parametrize("dim,kind", [(7, "dense"), (50, "dense"), (130, "dense"), (64, "hadamard"), (24, "none"),
+                                      (2048, "hadamard")])
 @pytest.mark.parametrize("candidates", [1, 6])
 @pytest.mark.parametrize("simd", [True, False])
-def test_compiled_direction_search_equals_reference(bits, dim, candidates, simd):
+def test_compiled_direction_codes_equal_reference(bits, dim, kind, candidates, simd):
     s = tq.TurboQuantMSE(dim=dim, bits=bits).tensors()
-    c, b = s["centroids"], s["boundaries"]
-    y = unit_vectors(2000, dim, seed=dim + bits)
-    alphas = search_alphas(candidates)
-    idx, dot, sq = _quantize_direction_native(y, [(dim, c, b)], alphas, allow_simd=simd)
-    ref_idx, _, _ = quantize_direction_reference(y, [(dim, c, b)], alphas)
-    ref_c = c[ref_idx.long()]
-    got_c = c[idx.long()]
-    cos, ref_cos = (y * got_c).sum(1) / got_c.norm(dim=1), (y * ref_c).sum(1) / ref_c.norm(dim=1)
-    assert (cos >= ref_cos - 1e-6).all()  # the same best code, up to float ties between alphas
-    assert (idx.int() == ref_idx).all(1).float().mean() > 0.99
-    torch.testing.assert_close(dot, (y * got_c).sum(1), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(sq, got_c.square().sum(1), rtol=1e-5, atol=1e-6)
+    x = torch.randn(300 if dim > 1000 else 2000, dim, generator=torch.Generator().manual_seed(dim + bits)) * (bits / 2)
+    x[3] = 0  # a zero row: zero norm, a code all the same
+    rotation = Rotation.create(dim, seed=bits, kind=kind)
+    _check_against_reference(x, rotation, [(dim, s["centroids"], s["boundaries"])], search_alphas(candidates), simd)
 
 
 @pytest.mark.skipif(not native.available(), reason="compiled kernels not built")
 @pytest.mark.parametrize("simd", [True, False])
-def test_compiled_direction_search_over_runs_of_any_length(simd):
-    """Runs of 4, 2 and 1 bits (each with its own codebook) whose lengths are not multiples of 8."""
+def test_compiled_direction_codes_over_runs_of_any_length(simd):
+    """Runs of 4, 2, 1 and 3 bits (each with its own codebook) and one left out, of lengths not
+    multiples of 8, in a dense rotation."""
     runs = []
-    for n, bits in [(5, 4), (13, 2), (3, 1), (9, 3)]:
-        s = tq.TurboQuantMSE(dim=64, bits=bits).tensors()
-        runs.append((n, s["centroids"], s["boundaries"]))
-    y = unit_vectors(3000, 30, seed=3)
-    alphas = search_alphas(6)
-    idx, dot, sq = _quantize_direction_native(y, runs, alphas, allow_simd=simd)
-    ref_idx, ref_dot, ref_sq = quantize_direction_reference(y, runs, alphas)
-    c = torch.cat([runs[r][1][idx[:, a:b].long()] for r, (a, b) in enumerate([(0, 5), (5, 18), (18, 21), (21, 30)])], 1)
-    assert (dot / sq.sqrt() >= ref_dot / ref_sq.sqrt() - 1e-6).all()
-    assert (idx.int() == ref_idx).all(1).float().mean() > 0.99
-    torch.testing.assert_close(dot, (y * c).sum(1), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(sq, c.square().sum(1), rtol=1e-5, atol=1e-6)
+    for n, bits in [(5, 4), (13, 2), (4, 0), (3, 1), (9, 3)]:
+        s = tq.TurboQuantMSE(dim=64, bits=max(bits, 1)).tensors()
+        runs.append((n, s["centroids"], s["boundaries"]) if bits else (n, None, None))
+    x = torch.randn(3000, 34, generator=torch.Generator().manual_seed(34))
+    _check_against_reference(x, Rotation.create(34, seed=1), runs, search_alphas(6), simd)
 
 
 def test_codebooks_are_symmetric():  # the compiled direction search relies on it

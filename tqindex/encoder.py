@@ -47,7 +47,7 @@ def as_float_tensor(x: Any, dim: int, name: str = "x", allow_empty: bool = False
     if t.numel() == 0 and not allow_empty:
         raise ValueError(f"{name} is empty (shape {tuple(t.shape)}): nothing to encode")
     t = t.detach().float()
-    if isinstance(x, np.ndarray):  # checked in numpy: one thread, no thread pool wake-ups for a small batch
+    if t.device.type == "cpu":  # numpy: one thread, so no torch worker threads are woken to spin
         finite = bool(np.isfinite(t.numpy()).all())
     else:  # NaN propagates; one pass
         finite = not t.numel() or bool(torch.isfinite(torch.stack(torch.aminmax(t))).all())
@@ -141,11 +141,14 @@ class Encoder(ABC):
     def encode(self, x: Any) -> Codes:
         """Encode vectors ``x`` [..., dim] (numpy or torch; float16/bfloat16/float32/float64) -> Codes [...]."""
         t = as_float_tensor(x, self.dim)
-        lead = t.shape[:-1]
-        t = t.reshape(-1, self.dim)
+        return self.encode_valid(t.reshape(-1, self.dim)).reshape(*t.shape[:-1])
+
+    def encode_valid(self, t: Tensor) -> Codes:
+        """:meth:`encode` without the input checks, for rows already validated by :func:`as_float_tensor`:
+        float32 t [N, dim] -> Codes [N]."""
         rows = max(1, ENCODE_BLOCK_ELEMENTS // self.dim)  # bounded temporary memory
         parts = [self._encode(t[i : i + rows]) for i in range(0, t.shape[0], rows)]
-        return (parts[0] if len(parts) == 1 else Codes.cat(parts)).reshape(*lead)
+        return parts[0] if len(parts) == 1 else Codes.cat(parts)
 
     def decode(self, codes: Codes) -> Tensor:
         """Codes [...] -> reconstructed vectors [..., dim], float32 torch on the codes' device."""

@@ -344,7 +344,7 @@ class BaseIndex(ABC):
         parts = []
         with tqdm(total=n, unit="vec", desc="add", disable=not show) as bar:
             for i in range(0, n, ADD_CHUNK):
-                parts.append(self.encoder.encode(self._residuals(xt[i : i + ADD_CHUNK], assign[i : i + ADD_CHUNK])))
+                parts.append(self.encoder.encode_valid(self._residuals(xt[i : i + ADD_CHUNK], assign[i : i + ADD_CHUNK])))
                 bar.update(len(parts[-1]))
         codes = parts[0] if len(parts) == 1 else Codes.cat(parts)
         vectors = xt.to(VECTOR_DTYPES[self.vectors_dtype]) if self.keep_vectors else None

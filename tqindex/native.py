@@ -1,5 +1,5 @@
 """The compiled CPU kernels (``csrc/``: the nibble lookup-table scan with the IVF coarse step's selection,
-the Q_mse direction search and bit packing).
+the Q_mse direction codes and bit packing).
 
 They are built by ``pip install`` when a C compiler is present (``setup.py``) and called through
 ctypes, which releases the GIL, so the kernels run in parallel on a thread pool. :func:`available`
@@ -29,7 +29,7 @@ _SIGNATURES = {
     "tq_quantize_tables": (None, [_P, _I, _I, _P, _P, _P]),
     "tq_top_columns": (_C, [_P, _I, _I, _I, _P, _P]),
     "tq_group_pairs": (None, [_P, _I, _I, _I, _P, _P]),
-    "tq_quantize_direction": (_C, [_P, _I, _I, _P, _I, _I, _P, _P, _P, _P, _P, _P, _P, _C]),
+    "tq_encode_directions": (_C, [_P, _I, _I, _P, _P, _I, _I, _P, _P, _P, _P, _P, _I, _P, _P, _P, _C]),
     "tq_pack": (_C, [_P, _I, _I, _I, _P]),
 }
 

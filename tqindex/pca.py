@@ -25,9 +25,9 @@ from torch import Tensor
 from .codebooks import lloyd_max
 from .codes import Codes
 from .encoder import Encoder, as_float_tensor, register_class, register_name
-from .packing import pack, packed_size, unpack_values
+from .packing import packed_size, unpack_values
 from .rotation import seeded_rng
-from .turboquant import NORM_DTYPES, _check_choice, _unit_rows, direction_search, search_alphas
+from .turboquant import NORM_DTYPES, Run, _check_choice, _unit_rows, encode_directions, search_alphas
 
 PCA_WIDTHS = (0, 1, 2, 4)
 """Bits per coordinate a group may get."""
@@ -166,48 +166,28 @@ class TurboQuantPCA(Encoder):
 
     def _encode(self, x: Tensor) -> Codes:
         self._require_trained()
-        n, u = _unit_rows(x)
-        y = self._rotation(x.device).apply(u)  # [N, dim] coordinates in the learned basis
-        kept, runs = self._runs(y)
-        idx, _, sq = direction_search(kept, runs, search_alphas(self.code_search, x.device))
+        qdata, n, _, sq = encode_directions(x, self._rotation(x.device), self.runs(x.device),
+                                            search_alphas(self.code_search, x.device))
         scale = torch.where(n > 0, n * sq.clamp_min(1e-30).rsqrt(), torch.zeros_like(n))
-        return Codes(qdata=self._pack(idx), norm=scale.to(NORM_DTYPES[self.norm_dtype]))
+        return Codes(qdata=qdata, norm=scale.to(NORM_DTYPES[self.norm_dtype]))
 
-    def _runs(self, y: Tensor) -> tuple[Tensor, list]:
-        """The columns of y [N, dim] in groups of nonzero width, and their (coordinates, centroids,
-        boundaries) runs for :func:`direction_search`."""
-        s = self._on(y.device)
-        spans = self._spans()
-        kept = torch.cat([y[:, lo:hi] for (lo, hi), _ in spans], 1) if spans else y[:, :0]
-        return kept, [(hi - lo, s[f"centroids{g}"], s[f"boundaries{g}"]) for (lo, hi), g in spans]
-
-    def _pack(self, idx: Tensor) -> Tensor:
-        """Codebook indices of the kept columns [N, kept] -> qdata uint8 [N, code bytes], group by group."""
-        parts, col = [], 0
-        for (lo, hi), g in self._spans():
-            parts.append(pack(idx[:, col : col + hi - lo], self.groups[g][1]))
-            col += hi - lo
-        return torch.cat(parts, 1) if parts else idx.new_empty(len(idx), 0, dtype=torch.uint8)
-
-    def _spans(self) -> list[tuple[tuple[int, int], int]]:
-        """((first, end) coordinates, group number) of the groups with a nonzero width."""
-        out, start = [], 0
-        for g, (n, w) in enumerate(self.groups):
-            if w:
-                out.append(((start, start + n), g))
-            start += n
-        return out
+    def runs(self, device: torch.device | str = "cpu") -> list[Run]:
+        """The (coordinates, centroids, boundaries) run of each group for :func:`encode_directions`
+        (codebook None for width 0)."""
+        s = self._on(torch.device(device))
+        return [(n, s.get(f"centroids{g}"), s.get(f"boundaries{g}")) for g, (n, _) in enumerate(self.groups)]
 
     def _decode_rotated(self, codes: Codes) -> Tensor:
         self._require_trained()
         s = self._on(codes.device)
         out = torch.zeros(*codes.qdata.shape[:-1], self.dim, device=codes.device)
-        byte = 0
-        for (lo, hi), g in self._spans():
-            w = self.groups[g][1]
-            nb = packed_size(hi - lo, w)
-            out[..., lo:hi] = unpack_values(codes.qdata[..., byte : byte + nb], w, hi - lo, s[f"centroids{g}"])
-            byte += nb
+        byte = lo = 0
+        for g, (n, w) in enumerate(self.groups):
+            if w:
+                nb = packed_size(n, w)
+                out[..., lo : lo + n] = unpack_values(codes.qdata[..., byte : byte + nb], w, n, s[f"centroids{g}"])
+                byte += nb
+            lo += n
         return out * codes.norm.float()[..., None]
 
 

@@ -123,6 +123,14 @@ class Rotation:
             return fwht(y) * (self.dim ** -0.5) * self.signs.to(y.dtype)
         return y @ self._matrix.to(y.dtype)
 
+    @property
+    def matmul_matrix(self) -> Tensor | None:
+        """R [dim, dim] float32 when :meth:`apply` is one matmul by it (dense, or Hadamard up to
+        DENSE_HADAMARD_MAX_DIM), else None."""
+        if self.kind == "none" or (self.kind == "hadamard" and self.dim > DENSE_HADAMARD_MAX_DIM):
+            return None
+        return self._matrix
+
     @cached_property
     def _matrix(self) -> Tensor:
         """R as a dense [dim, dim] float32 matrix on the rotation's device."""

@@ -12,8 +12,8 @@ from . import native
 from .codebooks import lloyd_max, lookup
 from .codes import Codes
 from .encoder import Encoder, register_class, register_name
-from .packing import pack, packed_size, unpack_values
-from .rotation import ROTATION_KINDS, seeded_rng
+from .packing import pack, pack_reference, packed_size, unpack_values
+from .rotation import ROTATION_KINDS, Rotation, seeded_rng
 
 RESCALE_MODES = ("norm", "unbiased", "cos")
 CODE_SEARCH_RANGE = (0.85, 1.25)
@@ -28,8 +28,9 @@ def _check_choice(name: str, value: object, allowed: tuple | dict) -> None:
         raise ValueError(f"{name} must be one of {tuple(allowed)}, got {value!r}")
 
 
-Run = tuple[int, Tensor, Tensor]
-"""(coordinates, centroids, boundaries): consecutive columns that share one codebook."""
+Run = tuple[int, Tensor | None, Tensor | None]
+"""(coordinates, centroids, boundaries): consecutive columns that share one codebook (None: columns
+left out of the code)."""
 
 
 def _quantize_rotated(y: Tensor, centroids: Tensor, boundaries: Tensor) -> tuple[Tensor, Tensor]:
@@ -46,48 +47,84 @@ def search_alphas(candidates: int, device: torch.device | str = "cpu") -> Tensor
     return torch.cat([torch.ones(1), torch.linspace(*CODE_SEARCH_RANGE, candidates)]).to(device)
 
 
-def direction_search(y: Tensor, runs: list[Run], alphas: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Codes whose levels c best match the direction of y: max cos(y, c) over the nearest-level codes
-    of ``alpha · y`` for alphas [A] (the first on ties), one pre-scale for all the ``runs`` that make up
-    y's columns. y [N, d] -> (idx [N, d] into each run's codebook, <y, c> [N], ||c||² [N]).
+def _run_bits(centroids: Tensor) -> int:
+    return len(centroids).bit_length() - 1
 
-    Runs the compiled kernel (``csrc/quantize.c``) for float32 CPU rows and symmetric codebooks of up
-    to 16 levels, else :func:`quantize_direction_reference`.
+
+def encode_directions(x: Tensor, rotation: Rotation, runs: list[Run], alphas: Tensor
+                      ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Codes of the directions of rows x [N, d]: ``y = R x``, ``u = y / ||y||``, and per coded run the
+    nearest levels c of ``alpha · u``, the pre-scale alpha (one of ``alphas`` [A], the first on ties)
+    chosen for the largest cos(u, c) over all runs. The ``runs`` cover y's columns in order.
+
+    -> (qdata uint8 [N, bytes]: each coded run bit-packed (``packing``) after the previous one,
+    ||y|| [N], <u, c> [N], ||c||² [N]). Runs the compiled kernel (``csrc/quantize.c``) for float32 CPU
+    rows and symmetric codebooks of up to 16 levels, else :func:`encode_directions_reference`.
     """
-    if (y.device.type == "cpu" and y.dtype == torch.float32 and native.available()
-            and all(len(c) <= 16 and torch.equal(c, -c.flip(0)) for _, c, _ in runs)):
-        return _quantize_direction_native(y, runs, alphas)
-    return quantize_direction_reference(y, runs, alphas)
+    coded = [c for _, c, _ in runs if c is not None]
+    if (x.device.type == "cpu" and x.dtype == torch.float32 and native.available()
+            and all(len(c) <= 16 and torch.equal(c, -c.flip(0)) for c in coded)):
+        return _encode_directions_native(x, rotation, runs, alphas)
+    return encode_directions_reference(x, rotation, runs, alphas)
 
 
-def _quantize_direction_native(y: Tensor, runs: list[Run], alphas: Tensor,
-                               allow_simd: bool = True) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`direction_search` by the compiled kernel (uint8 idx), rows split over torch's thread
-    count; ``allow_simd=False`` runs the kernel's portable loop."""
-    y, alphas = y.contiguous(), alphas.float().contiguous()
+def _encode_directions_native(x: Tensor, rotation: Rotation, runs: list[Run], alphas: Tensor,
+                              allow_simd: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`encode_directions` by the compiled kernel, rows split over torch's thread count (the
+    rotation too, unless it is a large-dim Hadamard, which torch applies first); ``allow_simd=False``
+    runs the kernel's portable loops."""
+    matrix = rotation.matmul_matrix
+    if matrix is None and rotation.kind != "none":
+        x = rotation.apply(x)
+    x, alphas = x.contiguous(), alphas.float().contiguous()
     seg_len = torch.tensor([r[0] for r in runs], dtype=torch.int64)
-    seg_h = torch.tensor([len(r[1]) // 2 for r in runs], dtype=torch.int64)
+    seg_h = torch.tensor([0 if c is None else len(c) // 2 for _, c, _ in runs], dtype=torch.int64)
     levels, bounds = torch.zeros(len(runs), 8), torch.zeros(len(runs), 8)
     for i, (_, c, b) in enumerate(runs):  # the positive halves
-        h = len(c) // 2
-        levels[i, :h], bounds[i, : h - 1] = c[h:].float(), b[h:].float()
-    n, d = y.shape
-    idx = torch.empty(n, d, dtype=torch.uint8)
-    dot, sq = torch.empty(n), torch.empty(n)
+        if c is not None:
+            h = len(c) // 2
+            levels[i, :h], bounds[i, : h - 1] = c[h:].float(), b[h:].float()
+    n, d = x.shape
+    row_bytes = sum(packed_size(w, _run_bits(c)) for w, c, _ in runs if c is not None)
+    qdata = torch.empty(n, row_bytes, dtype=torch.uint8)
+    norm, dot, sq = torch.empty(n), torch.empty(n), torch.empty(n)
+    rot = 0 if matrix is None else matrix.contiguous().data_ptr()
     lib = native.require()
 
     def call(a: int, b: int) -> int:
-        return lib.tq_quantize_direction(y[a:].data_ptr(), b - a, d, alphas.data_ptr(), len(alphas), len(runs),
-                                         seg_len.data_ptr(), seg_h.data_ptr(), levels.data_ptr(), bounds.data_ptr(),
-                                         idx[a:].data_ptr(), dot[a:].data_ptr(), sq[a:].data_ptr(), int(allow_simd))
+        return lib.tq_encode_directions(x[a:].data_ptr(), b - a, d, rot, alphas.data_ptr(), len(alphas), len(runs),
+                                        seg_len.data_ptr(), seg_h.data_ptr(), levels.data_ptr(), bounds.data_ptr(),
+                                        qdata[a:].data_ptr(), row_bytes, norm[a:].data_ptr(), dot[a:].data_ptr(),
+                                        sq[a:].data_ptr(), int(allow_simd))
 
-    native.parallel(call, native.row_jobs(n))
-    return idx, dot, sq
+    if -1 in native.parallel(call, native.row_jobs(n)):
+        raise ValueError("encode_directions: runs do not cover the columns or a codebook is not 2^bits levels")
+    return qdata, norm, dot, sq
+
+
+def encode_directions_reference(x: Tensor, rotation: Rotation, runs: list[Run], alphas: Tensor
+                                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """PyTorch :func:`encode_directions` (reference of the kernel, and the GPU path)."""
+    y = rotation.apply(x)
+    norm = torch.linalg.vector_norm(y, dim=-1)
+    u = y / torch.where(norm > 0, norm, torch.ones_like(norm))[:, None]
+    cols, coded, start = [], [], 0
+    for width, c, b in runs:
+        if c is not None:
+            cols.append(u[:, start : start + width])
+            coded.append((width, c, b))
+        start += width
+    idx, dot, sq = quantize_direction_reference(torch.cat(cols, 1), coded, alphas)
+    parts, start = [], 0
+    for width, c, _ in coded:
+        parts.append(pack_reference(idx[:, start : start + width], _run_bits(c)))
+        start += width
+    return torch.cat(parts, 1), norm, dot, sq
 
 
 def quantize_direction_reference(y: Tensor, runs: list[Run], alphas: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """PyTorch :func:`direction_search` (reference of the kernel, and the GPU path): -> (idx int32
-    [N, d], <y, c> [N], ||c||² [N]).
+    """The direction search of :func:`encode_directions` on unit rows y [N, d] whose columns are the
+    coded ``runs``: -> (idx int32 [N, d] into each run's codebook, <y, c> [N], ||c||² [N]).
 
     One bucketize per run serves every alpha: the cuts ``boundaries / alpha`` split the axis into
     cells in which each alpha's level is constant, so per-cell tables give every candidate's level.
@@ -172,17 +209,15 @@ class TurboQuantMSE(Encoder):
 
     def _encode(self, x: Tensor) -> Codes:
         s = self._on(x.device)
-        n, u = _unit_rows(x)
-        y = self._rotation(x.device).apply(u)  # [N, d]
         search = self.code_search if self.bits > 1 else 1  # 1-bit codes are signs: nothing to search
         runs = [(self.dim, s["centroids"], s["boundaries"])]
-        idx, ydotc, csq = direction_search(y, runs, search_alphas(search, y.device))
+        qdata, n, ydotc, csq = encode_directions(x, self._rotation(x.device), runs, search_alphas(search, x.device))
         if self.rescale == "norm":
             scale = n
         else:
             inv = 1.0 / ydotc if self.rescale == "unbiased" else torch.rsqrt(csq)
             scale = torch.where(n > 0, n * inv, torch.zeros_like(n))
-        return Codes(qdata=pack(idx, self.bits), norm=scale.to(NORM_DTYPES[self.norm_dtype]))
+        return Codes(qdata=qdata, norm=scale.to(NORM_DTYPES[self.norm_dtype]))
 
     def _decode_rotated(self, codes: Codes) -> Tensor:
         c = self._on(codes.device)["centroids"]
