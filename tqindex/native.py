@@ -60,13 +60,15 @@ def require() -> ctypes.CDLL:
     return lib
 
 
-MIN_ROWS_PER_JOB = 4096
-"""Row-wise kernels split their rows into jobs of at least this many (and no more jobs than threads)."""
+MIN_JOB_ELEMENTS = 1 << 18
+"""Row-wise kernels split their rows into jobs of at least this many input elements (and no more jobs
+than threads)."""
 
 
-def row_jobs(n: int) -> list[tuple[int, int]]:
-    """(first, end) row ranges splitting n rows over torch's thread count, MIN_ROWS_PER_JOB rows or more each."""
-    parts = max(1, min(torch.get_num_threads(), n // MIN_ROWS_PER_JOB))
+def row_jobs(n: int, row_elements: int) -> list[tuple[int, int]]:
+    """(first, end) ranges splitting n rows of ``row_elements`` elements over torch's thread count, each
+    MIN_JOB_ELEMENTS elements or more."""
+    parts = max(1, min(torch.get_num_threads(), n * row_elements // MIN_JOB_ELEMENTS))
     cuts = [round(i * n / parts) for i in range(parts + 1)]
     return list(zip(cuts[:-1], cuts[1:]))
 

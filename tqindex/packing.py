@@ -42,7 +42,7 @@ def pack(codes: Tensor, bits: int) -> Tensor:
         out = torch.empty(len(rows), packed_size(c.shape[-1], bits), dtype=torch.uint8)
         lib = native.require()
         native.parallel(lambda a, b: lib.tq_pack(rows[a:].data_ptr(), b - a, rows.shape[1], bits, out[a:].data_ptr()),
-                        native.row_jobs(len(rows)))
+                        native.row_jobs(*rows.shape))
         return out.reshape(*c.shape[:-1], out.shape[-1])
     return pack_reference(c, bits)
 

@@ -97,7 +97,7 @@ def _encode_directions_native(x: Tensor, rotation: Rotation, runs: list[Run], al
                                         qdata[a:].data_ptr(), row_bytes, norm[a:].data_ptr(), dot[a:].data_ptr(),
                                         sq[a:].data_ptr(), int(allow_simd))
 
-    if -1 in native.parallel(call, native.row_jobs(n)):
+    if -1 in native.parallel(call, native.row_jobs(n, d)):
         raise ValueError("encode_directions: runs do not cover the columns or a codebook is not 2^bits levels")
     return qdata, norm, dot, sq
 
