@@ -74,7 +74,9 @@ def _encode_directions_native(x: Tensor, rotation: Rotation, runs: list[Run], al
     rotation too, unless it is a large-dim Hadamard, which torch applies first); ``allow_simd=False``
     runs the kernel's portable loops."""
     matrix = rotation.matmul_matrix
-    if matrix is None and rotation.kind != "none":
+    if matrix is not None:
+        matrix = matrix.float().contiguous()  # referenced here until the kernel has returned
+    elif rotation.kind != "none":
         x = rotation.apply(x)
     x, alphas = x.contiguous(), alphas.float().contiguous()
     seg_len = torch.tensor([r[0] for r in runs], dtype=torch.int64)
@@ -88,7 +90,7 @@ def _encode_directions_native(x: Tensor, rotation: Rotation, runs: list[Run], al
     row_bytes = sum(packed_size(w, _run_bits(c)) for w, c, _ in runs if c is not None)
     qdata = torch.empty(n, row_bytes, dtype=torch.uint8)
     norm, dot, sq = torch.empty(n), torch.empty(n), torch.empty(n)
-    rot = 0 if matrix is None else matrix.contiguous().data_ptr()
+    rot = 0 if matrix is None else matrix.data_ptr()
     lib = native.require()
 
     def call(a: int, b: int) -> int:
