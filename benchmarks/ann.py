@@ -53,7 +53,7 @@ DEFAULT_SKIP = r"faiss-sq-tq\d"
 """Methods left out unless --skip says otherwise (see its help)."""
 QUICK_METHODS = r"^tq\d(-norm)?$,tqmse,eden\d$,rabitq-fs,pq-fs,^turbovec\d$"
 """Methods of a ``--quick`` run (comma-separated regular expressions)."""
-BUILD_ROUNDS, BUILD_REPEAT_S = 3, 1.0
+BUILD_ROUNDS, BUILD_REPEAT_S = 5, 3.0
 """A build is repeated, up to BUILD_ROUNDS times in all, while the builds so far took under
 BUILD_REPEAT_S seconds; the fastest counts."""
 
