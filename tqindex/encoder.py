@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import numpy as np
 import torch
@@ -66,6 +66,9 @@ class Encoder(ABC):
     dim: int
     seed: int
     rotation: str
+    encodes_in_blocks: ClassVar[bool] = True
+    """Whether :meth:`encode_valid` hands ``_encode`` blocks of about ENCODE_BLOCK_ELEMENTS elements
+    (False: ``_encode`` bounds its own temporary memory)."""
 
     # -- configuration -----------------------------------------------------------------------------
     def __post_init__(self) -> None:
@@ -146,6 +149,8 @@ class Encoder(ABC):
     def encode_valid(self, t: Tensor) -> Codes:
         """:meth:`encode` without the input checks, for rows already validated by :func:`as_float_tensor`:
         float32 t [N, dim] -> Codes [N]."""
+        if not self.encodes_in_blocks:
+            return self._encode(t)
         rows = max(1, ENCODE_BLOCK_ELEMENTS // self.dim)  # bounded temporary memory
         parts = [self._encode(t[i : i + rows]) for i in range(0, t.shape[0], rows)]
         return parts[0] if len(parts) == 1 else Codes.cat(parts)

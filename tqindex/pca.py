@@ -17,6 +17,7 @@ lookup-table scans serve these codes too.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -73,6 +74,8 @@ class TurboQuantPCA(Encoder):
     given, then train only learns the basis). Until trained, encoding raises. ``code_search`` and
     ``norm_dtype`` are as in TurboQuantMSE (with the "cos" scale).
     """
+
+    encodes_in_blocks: ClassVar[bool] = False  # encode_directions bounds its own memory
 
     dim: int
     bits: int = 2

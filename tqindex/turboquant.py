@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -11,7 +12,7 @@ from torch import Tensor
 from . import native
 from .codebooks import lloyd_max, lookup
 from .codes import Codes
-from .encoder import Encoder, register_class, register_name
+from .encoder import ENCODE_BLOCK_ELEMENTS, Encoder, register_class, register_name
 from .packing import pack, pack_reference, packed_size, unpack_values
 from .rotation import ROTATION_KINDS, Rotation, seeded_rng
 
@@ -106,7 +107,12 @@ def _encode_directions_native(x: Tensor, rotation: Rotation, runs: list[Run], al
 
 def encode_directions_reference(x: Tensor, rotation: Rotation, runs: list[Run], alphas: Tensor
                                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """PyTorch :func:`encode_directions` (reference of the kernel, and the GPU path)."""
+    """PyTorch :func:`encode_directions` (reference of the kernel, and the GPU path), in blocks of
+    about ENCODE_BLOCK_ELEMENTS elements (its temporaries are A times a block)."""
+    rows = max(1, ENCODE_BLOCK_ELEMENTS // x.shape[1])
+    if len(x) > rows:
+        parts = [encode_directions_reference(x[i : i + rows], rotation, runs, alphas) for i in range(0, len(x), rows)]
+        return tuple(torch.cat(p) for p in zip(*parts))
     y = rotation.apply(x)
     norm = torch.linalg.vector_norm(y, dim=-1)
     u = y / torch.where(norm > 0, norm, torch.ones_like(norm))[:, None]
@@ -171,6 +177,8 @@ class TurboQuantMSE(Encoder):
     of ``alpha · R u`` for that many alphas, the one whose direction is closest to ``R u``.
     ``norm_dtype`` is the storage type of s ("float16": 2 bytes).
     """
+
+    encodes_in_blocks: ClassVar[bool] = False  # encode_directions bounds its own memory
 
     dim: int
     bits: int = 4
