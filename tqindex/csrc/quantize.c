@@ -52,7 +52,7 @@ static void write_packed_generic(const float *sy, const float *ay, int64_t len, 
     }
 }
 
-/* <|y|, level(alpha |y|)> and the sum of squared levels over one row (portable loop). */
+/* <|u|, level(alpha |u|)> and the sum of squared levels over one run (portable loop). */
 static void alpha_sums_generic(const float *ay, int64_t d, float alpha, const float *lv, const float *bd, int nb,
                                float *dot, float *sq) {
     float s = 0.f, q = 0.f;
@@ -65,15 +65,15 @@ static void alpha_sums_generic(const float *ay, int64_t d, float alpha, const fl
 }
 
 /* One run of coordinates: its codebook half (levels padded to MAX_H, nb = H - 1 boundaries), its length
- * and its slot in the row's |y| buffer (8-aligned, len rounded up to 8 floats, zeros past len). */
+ * and its slot in the row's buffers of |u| and y (8-aligned, len rounded up to 8 floats, zeros past len). */
 typedef struct {
     int64_t len, slot;
     const float *levels, *bounds;
     int nb;
 } run_t;
 
-/* The pre-scale (first on ties) whose code maximizes cos(y, c) over the row's runs, with that code's
- * <|y|, |c|> = <y, c> and ||c||^2 (portable loop). */
+/* The pre-scale (first on ties) whose code maximizes cos(u, c) over the row's runs, with that code's
+ * <|u|, |c|> = <u, c> and ||c||^2 (portable loop). */
 static void best_alpha_generic(const float *ay, const run_t *runs, int64_t nrun, const float *alphas, int64_t A,
                                float *balpha, float *bdot, float *bsq) {
     float best = -INFINITY;
