@@ -64,12 +64,14 @@ static void alpha_sums_generic(const float *ay, int64_t d, float alpha, const fl
     *dot = s, *sq = q;
 }
 
-/* One run of coordinates: its codebook half (levels padded to MAX_H, nb = H - 1 boundaries), its length
- * and its slot in the row's buffers of |u| and y (8-aligned, len rounded up to 8 floats, zeros past len). */
+/* One run of coordinates: its codebook half (levels padded to MAX_H, nb = H - 1 boundaries), its length,
+ * its slot in the row's buffers of |u| and y (8-aligned, len rounded up to 8 floats, zeros past len), and
+ * its code's bits per coordinate and packed bytes. */
 typedef struct {
     int64_t len, slot;
     const float *levels, *bounds;
-    int nb;
+    int nb, bits;
+    int64_t nbytes;
 } run_t;
 
 /* The pre-scale (first on ties) whose code maximizes cos(u, c) over the row's runs, with that code's
@@ -345,7 +347,9 @@ int tq_encode_directions(const float *x, int64_t n, int64_t d, const float *rot,
         if (!seg_H[s]) continue;
         memcpy(lv + s * MAX_H, pos_levels + s * MAX_H, sizeof(float) * (size_t)seg_H[s]);
         memcpy(bd + s * MAX_H, pos_bounds + s * MAX_H, sizeof(float) * (size_t)(seg_H[s] - 1));
-        runs[ncoded] = (run_t){seg_len[s], slot, lv + s * MAX_H, bd + s * MAX_H, (int)seg_H[s] - 1};
+        int bits = __builtin_ctzll(2 * seg_H[s]);
+        runs[ncoded] = (run_t){seg_len[s], slot, lv + s * MAX_H, bd + s * MAX_H, (int)seg_H[s] - 1, bits,
+                               (seg_len[s] * bits + 7) / 8};
         col[ncoded++] = c;
         slot += (seg_len[s] + 7) / 8 * 8;
     }
@@ -363,12 +367,9 @@ int tq_encode_directions(const float *x, int64_t n, int64_t d, const float *rot,
             float balpha, bdot, bsq;
             best_alpha(ay, runs, ncoded, alphas, A, &balpha, &bdot, &bsq);
             uint8_t *out = qdata + r * row_bytes;
-            for (int64_t s = 0; s < ncoded; s++) {
-                int h = runs[s].nb + 1, bits = __builtin_ctz(2 * h);
-                write_packed(sy + runs[s].slot, ay + runs[s].slot, runs[s].len, balpha, runs[s].bounds, runs[s].nb, h,
-                             bits, out);
-                out += (runs[s].len * bits + 7) / 8;
-            }
+            for (int64_t s = 0; s < ncoded; out += runs[s++].nbytes)
+                write_packed(sy + runs[s].slot, ay + runs[s].slot, runs[s].len, balpha, runs[s].bounds, runs[s].nb,
+                             runs[s].nb + 1, runs[s].bits, out);
             norm[r] = len, dot[r] = bdot, sq[r] = bsq;
         }
     }
