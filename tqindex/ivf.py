@@ -94,7 +94,7 @@ class IVFIndex(BaseIndex):
             _, near = km.index.search(np.ascontiguousarray(xk.numpy()), 1)
             self.encoder.train(xt - centroids[torch.from_numpy(near[:, 0])] if self.by_residual else xt)
             self._scan_tools()
-        self._set_centroids(centroids)
+        self.set_centroids(centroids)
 
     def search(self, q: Any, k: int, allow: Any = None, progress: bool | None = None,
                nprobe: int | None = None) -> tuple[Any, Any]:
@@ -108,7 +108,16 @@ class IVFIndex(BaseIndex):
         return np.array([c.size for c in self._lists], dtype=np.int64)
 
     # -- hooks --------------------------------------------------------------------------------------
-    def _set_centroids(self, centroids: Tensor) -> None:
+    def set_centroids(self, centroids: Any) -> None:
+        """Use these coarse centroids (float32 [nlist, dim], numpy or torch, e.g. trained elsewhere) instead
+        of training; the index must be empty and its encoder trained."""
+        if isinstance(centroids, np.ndarray):
+            centroids = torch.from_numpy(centroids)
+        if not isinstance(centroids, Tensor):
+            raise TypeError(f"centroids must be a numpy array or torch tensor, got {type(centroids).__name__}")
+        centroids = centroids.detach().cpu()
+        if self.ntotal:
+            raise ValueError(f"set_centroids must come before add: the index already holds {self.ntotal} vectors")
         if tuple(centroids.shape) != (self.nlist, self.dim) or centroids.dtype != torch.float32:
             raise ValueError(f"centroids must be float32 [{self.nlist}, {self.dim}], "
                              f"got {centroids.dtype} {tuple(centroids.shape)}")
@@ -257,7 +266,7 @@ class IVFIndex(BaseIndex):
         index = cls(cls._encoder_from_file(header, arrays), ivf["nlist"], header["metric"], by_residual=ivf["by_residual"],
                     nprobe=ivf["nprobe"], seed=ivf["seed"], niter=ivf["niter"], **cls._options_from_file(header))
         if ivf["trained"]:
-            index._set_centroids(torch.from_numpy(arrays["ivf/centroids"]))
+            index.set_centroids(torch.from_numpy(arrays["ivf/centroids"]))
         offsets = arrays["ivf/list_offsets"]
         if offsets.shape != (index.nlist + 1,) or offsets[0] != 0 or np.any(np.diff(offsets) < 0):
             raise ValueError(f"ivf/list_offsets must be non-decreasing [{index.nlist + 1}] from 0, got {offsets.shape}")
