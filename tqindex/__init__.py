@@ -2,8 +2,9 @@
 
 from .codes import Codes
 from .encoder import Encoder, encoder_from_dict, encoder_names, make_encoder
+from .factory import index_factory
 from .fp4 import FP4UE8M0
-from .index import FlatIndex, index_factory
+from .index import FlatIndex
 from .io import load_index, read_header
 from .ivf import IVFIndex
 from .pca import TurboQuantPCA

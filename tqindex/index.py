@@ -28,7 +28,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from .codes import Codes
-from .encoder import Encoder, as_float_tensor, encoder_from_dict, make_encoder
+from .encoder import Encoder, as_float_tensor, encoder_from_dict
 from .fastscan import FastScan
 from .fastscan import available as fastscan_available
 from .io import register_index_type, write_index_file
@@ -636,11 +636,6 @@ class FlatIndex(BaseIndex):
         index = cls(cls._encoder_from_file(header, arrays), header["metric"], **cls._options_from_file(header))
         index._restore(header, arrays, [0, int(header["ntotal"])])
         return index
-
-
-def index_factory(dim: int, name: str, metric: str = "ip", **options: Any) -> FlatIndex:
-    """FlatIndex over the registry encoder ``name`` ("tq4", "tq2", "tq3-prod", "fp4", ...) for ``dim``."""
-    return FlatIndex(make_encoder(name, dim), metric=metric, **options)
 
 
 def selected_rows(ids: Tensor, allowed: Tensor | None) -> Tensor | None:
