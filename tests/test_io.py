@@ -200,3 +200,32 @@ def test_failed_save_keeps_the_old_file(tmp_path, monkeypatch):
     assert path.read_bytes() == before
     assert os.listdir(tmp_path) == ["index.h5"]
     json.dumps(tq.read_header(path))
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_saved_files_get_the_umask_permissions(tmp_path, umask):
+    path = tmp_path / "index.h5"
+    old = os.umask(umask)
+    try:
+        flat(n=20).save(path)
+        flat(n=30).save(path)  # replacing a file gives the new one the same normal permissions
+    finally:
+        os.umask(old)
+    assert os.stat(path).st_mode & 0o777 == 0o666 & ~umask
+    assert os.listdir(tmp_path) == ["index.h5"]
+    assert tq.load_index(path).ntotal == 30
+
+
+def test_atomic_path_removes_its_temporary_file_on_error(tmp_path):
+    path = tmp_path / "out.json"
+    path.write_text("old")
+    with pytest.raises(KeyboardInterrupt):
+        with tqio.atomic_path(path) as tmp:
+            assert tmp.parent == tmp_path and tmp.name.startswith("out.json.tmp-")
+            tmp.write_text("new")
+            raise KeyboardInterrupt
+    assert path.read_text() == "old"
+    assert os.listdir(tmp_path) == ["out.json"]
+    with tqio.atomic_path(path) as tmp:
+        tmp.write_text("new")
+    assert path.read_text() == "new" and os.listdir(tmp_path) == ["out.json"]

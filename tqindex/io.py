@@ -11,7 +11,9 @@ Layout of a file:
 
 Loading reads only numbers and JSON, so it never runs code; any damage (truncation, flipped bytes,
 a foreign or newer file) raises ``ValueError`` naming the problem. Saving is atomic: the file is
-written beside its target as ``<path>.tmp-XXXX``, flushed to disk and renamed over ``path``.
+written beside its target as ``<path>.tmp-XXXXXXXX``, flushed to disk and renamed over ``path``
+(:func:`atomic_path`); it gets the permissions of any new file of the process (``0o666`` less the
+umask).
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
+import secrets
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import h5py
 import numpy as np
@@ -41,21 +44,40 @@ def write_index_file(path: str | os.PathLike, header: dict, arrays: dict[str, np
     path = Path(path)
     text = json.dumps(header, sort_keys=True)
     arrays = {name: np.ascontiguousarray(a) for name, a in arrays.items()}
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".tmp-", dir=path.parent)
-    os.close(fd)
+    with atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
+        f.attrs["format"] = FORMAT
+        f.attrs["format_version"] = FORMAT_VERSION
+        f.attrs["header"] = text
+        f.attrs["checksum"] = _checksum(text, arrays)
+        for name, a in arrays.items():
+            f.create_dataset(name, data=a)
+
+
+@contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Write ``path`` atomically: yields a new empty file beside it to write and close; on success it is
+    flushed to disk and renamed over ``path``, on any error (or interrupt) removed, leaving ``path`` as it was.
+
+    The temporary file is created as ``open()`` creates files (mode ``0o666`` less the process umask),
+    so the result has the user's normal permissions.
+    """
+    path = Path(path)
+    for _ in range(100):
+        tmp = path.with_name(f"{path.name}.tmp-{secrets.token_hex(4)}")
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise FileExistsError(f"no free temporary name beside {path}")
     try:
-        with h5py.File(tmp, "w") as f:
-            f.attrs["format"] = FORMAT
-            f.attrs["format_version"] = FORMAT_VERSION
-            f.attrs["header"] = text
-            f.attrs["checksum"] = _checksum(text, arrays)
-            for name, a in arrays.items():
-                f.create_dataset(name, data=a)
+        yield tmp
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
 
