@@ -11,49 +11,17 @@ import dataclasses
 from abc import ABC, abstractmethod
 from typing import Any, Callable, ClassVar
 
-import numpy as np
 import torch
 from torch import Tensor
 
+from .checks import as_float_tensor, check_norms, row_norms
 from .codes import Codes
 from .rotation import Rotation
 
 ENCODE_BLOCK_ELEMENTS = 1 << 20
 """Encode works through blocks of about this many float elements."""
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def as_float_tensor(x: Any, dim: int, name: str = "x", allow_empty: bool = False) -> Tensor:
-    """Validate vectors ``x`` [..., dim] (numpy or torch, floating) and return them as float32 torch.
-
-    Raises TypeError for non-array or non-float input, ValueError for a wrong last dimension, an
-    empty batch (unless ``allow_empty``) or NaN/inf values.
-    """
-    if isinstance(x, np.ndarray):
-        if not np.issubdtype(x.dtype, np.floating):
-            raise TypeError(f"{name} must hold floating-point values (float16/32/64), got dtype {x.dtype}")
-        with np.errstate(over="ignore"):  # a float64 too large for float32 becomes inf, reported below
-            t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
-    elif isinstance(x, Tensor):
-        t = x
-        if t.dtype not in _FLOAT_DTYPES:
-            raise TypeError(
-                f"{name} must be float16, bfloat16, float32 or float64, got dtype {t.dtype}"
-            )
-    else:
-        raise TypeError(f"{name} must be a numpy array or torch tensor, got {type(x).__name__}")
-    if t.dim() == 0 or t.shape[-1] != dim:
-        raise ValueError(f"{name} must have shape [..., {dim}] (dim={dim}), got {tuple(t.shape)}")
-    if t.numel() == 0 and not allow_empty:
-        raise ValueError(f"{name} is empty (shape {tuple(t.shape)}): nothing to encode")
-    t = t.detach().float()
-    if t.device.type == "cpu":  # numpy: one thread, so no torch worker threads are woken to spin
-        finite = bool(np.isfinite(t.numpy()).all())
-    else:  # NaN propagates; one pass
-        finite = not t.numel() or bool(torch.isfinite(torch.stack(torch.aminmax(t))).all())
-    if not finite:
-        raise ValueError(f"{name} contains NaN or infinite values")
-    return t
+WIDE_NORMS = (2.0**-100, 2.0**100)
+"""Nonzero input norms an encoder with float32 side data (or power-of-two scales) holds faithfully."""
 
 
 class Encoder(ABC):
@@ -136,19 +104,34 @@ class Encoder(ABC):
         """Exact bytes per encoded vector (codes + side data)."""
 
     @property
+    def norm_limits(self) -> tuple[float, float]:
+        """(low, high): the nonzero input norms whose codes this encoder stores faithfully (its side data's
+        range); :meth:`encode` refuses vectors outside it."""
+        return WIDE_NORMS
+
+    @property
     def bits_per_dim(self) -> float:
         """Stored bits per coordinate, side data included."""
         return 8.0 * self.code_size / self.dim
 
     # -- public operations -------------------------------------------------------------------------
     def encode(self, x: Any) -> Codes:
-        """Encode vectors ``x`` [..., dim] (numpy or torch; float16/bfloat16/float32/float64) -> Codes [...]."""
+        """Encode vectors ``x`` [..., dim] (numpy or torch; float16/bfloat16/float32/float64) -> Codes [...].
+
+        ValueError for vectors whose norm is outside :attr:`norm_limits` (zero vectors are fine)."""
         t = as_float_tensor(x, self.dim)
+        self.check_norms(row_norms(t), "x")
         return self.encode_valid(t.reshape(-1, self.dim)).reshape(*t.shape[:-1])
 
+    def check_norms(self, norms: Tensor, name: str) -> None:
+        """ValueError naming the vectors whose norms (float32 [n]) are outside :attr:`norm_limits`."""
+        check_norms(norms, *self.norm_limits, name, f"{type(self).__name__}'s side data",
+                    "store float32 side data (norm_dtype='float32') or rescale the vectors")
+
     def encode_valid(self, t: Tensor) -> Codes:
-        """:meth:`encode` without the input checks, for rows already validated by :func:`as_float_tensor`:
-        float32 t [N, dim] -> Codes [N]."""
+        """:meth:`encode` without the input checks, for rows already validated by :func:`as_float_tensor`
+        (and :meth:`check_norms`): float32 t [N, dim] -> Codes [N]. Side data beyond its storage type's range
+        saturates at its largest finite value."""
         if not self.encodes_in_blocks:
             return self._encode(t)
         rows = max(1, ENCODE_BLOCK_ELEMENTS // self.dim)  # bounded temporary memory

@@ -25,10 +25,11 @@ from torch import Tensor
 
 from .codebooks import lloyd_max
 from .codes import Codes
-from .encoder import Encoder, as_float_tensor, register_class, register_name
+from .checks import as_float_tensor, check_choice, unit_rows
+from .encoder import Encoder, register_class, register_name
 from .packing import packed_size, unpack_values
 from .rotation import seeded_rng
-from .turboquant import NORM_DTYPES, Run, _check_choice, _unit_rows, encode_directions, search_alphas
+from .turboquant import NORM_DTYPES, NORM_LIMITS, Run, encode_directions, search_alphas, store_scale
 
 PCA_WIDTHS = (0, 1, 2, 4)
 """Bits per coordinate a group may get."""
@@ -86,9 +87,9 @@ class TurboQuantPCA(Encoder):
     rotation: str = "learned"
 
     def _validate(self) -> None:
-        _check_choice("bits", self.bits, (1, 2, 3, 4))
-        _check_choice("norm_dtype", self.norm_dtype, NORM_DTYPES)
-        _check_choice("rotation", self.rotation, ("learned",))
+        check_choice(self.bits, "bits", (1, 2, 3, 4))
+        check_choice(self.norm_dtype, "norm_dtype", NORM_DTYPES)
+        check_choice(self.rotation, "rotation", ("learned",))
         if not isinstance(self.code_search, int) or self.code_search < 1:
             raise ValueError(f"code_search must be an integer >= 1, got {self.code_search!r}")
         if self.groups is not None:
@@ -125,7 +126,7 @@ class TurboQuantPCA(Encoder):
         rng = seeded_rng(self.seed, 3)
         if len(t) > TRAIN_ROWS:
             t = t[torch.from_numpy(np.sort(rng.choice(len(t), TRAIN_ROWS, replace=False)))]
-        u = _unit_rows(t.double())[1]
+        u = unit_rows(t)[1].double()
         lam, vec = torch.linalg.eigh(u.T @ u / len(u))  # ascending
         lam, vec = lam.flip(0).clamp_min(0), vec.flip(1)  # principal directions, largest first
         groups = self.groups or allocate(lam.numpy(), self.bits)
@@ -155,6 +156,10 @@ class TurboQuantPCA(Encoder):
     def code_size(self) -> int:
         return self._expected_qdata_bytes() + NORM_DTYPES[self.norm_dtype].itemsize
 
+    @property
+    def norm_limits(self) -> tuple[float, float]:
+        return NORM_LIMITS[self.norm_dtype]
+
     def _expected_qdata_bytes(self) -> int:
         groups = self.groups or []
         return sum(packed_size(n, w) for n, w in groups if w) if groups else packed_size(self.dim, self.bits)
@@ -172,7 +177,7 @@ class TurboQuantPCA(Encoder):
         qdata, n, _, sq = encode_directions(x, self._rotation(x.device), self.runs(x.device),
                                             search_alphas(self.code_search, x.device))
         scale = torch.where(n > 0, n * sq.clamp_min(1e-30).rsqrt(), torch.zeros_like(n))
-        return Codes(qdata=qdata, norm=scale.to(NORM_DTYPES[self.norm_dtype]))
+        return Codes(qdata=qdata, norm=store_scale(scale, self.norm_dtype))
 
     def runs(self, device: torch.device | str = "cpu") -> list[Run]:
         """The (coordinates, centroids, boundaries) run of each group for :func:`encode_directions`

@@ -12,7 +12,8 @@ from torch import Tensor
 from . import native
 from .codebooks import lloyd_max, lookup
 from .codes import Codes
-from .encoder import ENCODE_BLOCK_ELEMENTS, Encoder, register_class, register_name
+from .checks import NORM_SAFE, check_choice, unit_rows
+from .encoder import ENCODE_BLOCK_ELEMENTS, WIDE_NORMS, Encoder, register_class, register_name
 from .packing import pack, pack_reference, packed_size, unpack_values
 from .rotation import ROTATION_KINDS, Rotation, seeded_rng
 
@@ -24,9 +25,16 @@ MSE_BITS = (1, 2, 3, 4, 8)
 _SIGNS = torch.tensor([-1.0, 1.0])
 
 
-def _check_choice(name: str, value: object, allowed: tuple | dict) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {tuple(allowed)}, got {value!r}")
+NORM_LIMITS = {"float16": (2.0**-13, 2.0**15), "float32": WIDE_NORMS}
+"""Nonzero input norms whose scale each norm_dtype holds faithfully: a scale is the norm times a factor
+within [1/2, 2], and float16 is exact to 2^-11 between 2^-14 and 65504."""
+
+
+def store_scale(scale: Tensor, norm_dtype: str) -> Tensor:
+    """float32 per-vector scales -> their storage type, saturating at its largest finite value."""
+    dtype = NORM_DTYPES[norm_dtype]
+    top = torch.finfo(dtype).max
+    return scale.clamp(-top, top).to(dtype)
 
 
 Run = tuple[int, Tensor | None, Tensor | None]
@@ -65,8 +73,21 @@ def encode_directions(x: Tensor, rotation: Rotation, runs: list[Run], alphas: Te
     coded = [c for _, c, _ in runs if c is not None]
     if (x.device.type == "cpu" and x.dtype == torch.float32 and native.available()
             and all(len(c) <= 16 and torch.equal(c, -c.flip(0)) for c in coded)):
-        return _encode_directions_native(x, rotation, runs, alphas)
-    return encode_directions_reference(x, rotation, runs, alphas)
+        encode = _encode_directions_native
+    else:
+        encode = encode_directions_reference
+    qdata, norm, dot, sq = encode(x, rotation, runs, alphas)
+    # Rows whose float32 sum of squares under- or overflowed: encoded again scaled by a power of two
+    # (their codes do not depend on the scale), their norms scaled back exactly.
+    unsafe = torch.nonzero(~((norm >= NORM_SAFE[0]) & (norm <= NORM_SAFE[1]))).squeeze(1)
+    if len(unsafe):
+        true_norm = torch.linalg.vector_norm(x[unsafe].double(), dim=-1)
+        unsafe, true_norm = unsafe[true_norm > 0], true_norm[true_norm > 0]
+        if len(unsafe):
+            exp = torch.round(torch.log2(true_norm)).int()
+            q2, n2, dot[unsafe], sq[unsafe] = encode(torch.ldexp(x[unsafe].double(), -exp).float(), rotation, runs, alphas)
+            qdata[unsafe], norm[unsafe] = q2, torch.ldexp(n2.double(), exp).float()
+    return qdata, norm, dot, sq
 
 
 def _encode_directions_native(x: Tensor, rotation: Rotation, runs: list[Run], alphas: Tensor,
@@ -159,12 +180,6 @@ def quantize_direction_reference(y: Tensor, runs: list[Run], alphas: Tensor) -> 
     return torch.cat(idx, 1), dot.gather(1, best).squeeze(1), sq.gather(1, best).squeeze(1)
 
 
-def _unit_rows(x: Tensor) -> tuple[Tensor, Tensor]:
-    """x [N, d] -> (norms [N], x / norms with zero rows left zero)."""
-    n = torch.linalg.vector_norm(x, dim=-1)
-    return n, x / torch.where(n > 0, n, torch.ones_like(n))[:, None]
-
-
 @register_class
 @dataclass(eq=False, repr=False)
 class TurboQuantMSE(Encoder):
@@ -189,14 +204,14 @@ class TurboQuantMSE(Encoder):
     rotation: str = "auto"
 
     def _validate(self) -> None:
-        _check_choice("bits", self.bits, MSE_BITS)
-        _check_choice("rescale", self.rescale, RESCALE_MODES)
+        check_choice(self.bits, "bits", MSE_BITS)
+        check_choice(self.rescale, "rescale", RESCALE_MODES)
         if not isinstance(self.code_search, int) or self.code_search < 1:
             raise ValueError(f"code_search must be an integer >= 1, got {self.code_search!r}")
         if self.code_search > 1 and self.rescale == "norm":
             raise ValueError("code_search > 1 needs rescale='unbiased' or 'cos' (rescale='norm' keeps the paper's codes)")
-        _check_choice("norm_dtype", self.norm_dtype, NORM_DTYPES)
-        _check_choice("rotation", self.rotation, ROTATION_KINDS)
+        check_choice(self.norm_dtype, "norm_dtype", NORM_DTYPES)
+        check_choice(self.rotation, "rotation", ROTATION_KINDS)
 
     def _build(self) -> dict[str, Tensor]:
         cb = lloyd_max(self.dim, self.bits)
@@ -209,6 +224,10 @@ class TurboQuantMSE(Encoder):
     @property
     def code_size(self) -> int:
         return packed_size(self.dim, self.bits) + NORM_DTYPES[self.norm_dtype].itemsize
+
+    @property
+    def norm_limits(self) -> tuple[float, float]:
+        return NORM_LIMITS[self.norm_dtype]
 
     def _expected_qdata_bytes(self) -> int:
         return packed_size(self.dim, self.bits)
@@ -227,7 +246,7 @@ class TurboQuantMSE(Encoder):
         else:
             inv = 1.0 / ydotc if self.rescale == "unbiased" else torch.rsqrt(csq)
             scale = torch.where(n > 0, n * inv, torch.zeros_like(n))
-        return Codes(qdata=qdata, norm=scale.to(NORM_DTYPES[self.norm_dtype]))
+        return Codes(qdata=qdata, norm=store_scale(scale, self.norm_dtype))
 
     def _decode_rotated(self, codes: Codes) -> Tensor:
         c = self._on(codes.device)["centroids"]
@@ -251,9 +270,9 @@ class TurboQuantProd(Encoder):
     rotation: str = "auto"
 
     def _validate(self) -> None:
-        _check_choice("bits", self.bits, (1, 2, 3, 4, 5))
-        _check_choice("norm_dtype", self.norm_dtype, NORM_DTYPES)
-        _check_choice("rotation", self.rotation, ROTATION_KINDS)
+        check_choice(self.bits, "bits", (1, 2, 3, 4, 5))
+        check_choice(self.norm_dtype, "norm_dtype", NORM_DTYPES)
+        check_choice(self.rotation, "rotation", ROTATION_KINDS)
 
     def _build(self) -> dict[str, Tensor]:
         out = super()._build()
@@ -269,12 +288,16 @@ class TurboQuantProd(Encoder):
     def code_size(self) -> int:
         return self._expected_qdata_bytes() + packed_size(self.dim, 1) + 2 * NORM_DTYPES[self.norm_dtype].itemsize
 
+    @property
+    def norm_limits(self) -> tuple[float, float]:
+        return NORM_LIMITS[self.norm_dtype]
+
     def _expected_qdata_bytes(self) -> int:
         return packed_size(self.dim, self.bits - 1) if self.bits > 1 else 0
 
     def _encode(self, x: Tensor) -> Codes:
         s = self._on(x.device)
-        n, u = _unit_rows(x)
+        n, u = unit_rows(x)
         y = self._rotation(x.device).apply(u)  # [N, d]
         if self.bits > 1:
             idx, c = _quantize_rotated(y, s["centroids"], s["boundaries"])
@@ -284,9 +307,9 @@ class TurboQuantProd(Encoder):
             qdata = torch.empty(x.shape[0], 0, dtype=torch.uint8, device=x.device)
             r = y
         z = (r @ s["qjl_matrix"].T) >= 0  # [N, d] sign bits of S r
-        dt = NORM_DTYPES[self.norm_dtype]
-        gamma = torch.linalg.vector_norm(r, dim=-1)
-        return Codes(qdata=qdata, norm=n.to(dt), qjl=pack(z, 1), gamma=gamma.to(dt))
+        gamma = torch.linalg.vector_norm(r, dim=-1)  # of a unit vector's residual: in [0, 2]
+        return Codes(qdata=qdata, norm=store_scale(n, self.norm_dtype), qjl=pack(z, 1),
+                     gamma=store_scale(gamma, self.norm_dtype))
 
     def _decode_rotated(self, codes: Codes) -> Tensor:
         s = self._on(codes.device)

@@ -1,0 +1,109 @@
+"""Checks at the public boundaries: integers, choices, float vectors, and the range of their norms.
+
+Errors name the argument, what is allowed and what was received. Norms are computed so that they
+neither overflow nor underflow for any finite float32 input (:func:`row_norms`), which is what lets
+encoders and indexes refuse, rather than silently corrupt, vectors whose scale they cannot hold.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+NORM_SAFE = (2.0**-40, 2.0**40)
+"""Rows whose float32 sum of squares is exact enough: norms in this range need no rescaling."""
+
+
+def check_int(value: Any, name: str, minimum: int) -> int:
+    """``value`` (int or numpy integer, not bool) as an int >= ``minimum``; ValueError naming ``name`` otherwise."""
+    if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def check_choice(value: Any, name: str, allowed: tuple | dict) -> None:
+    """ValueError naming ``name`` unless ``value`` is one of ``allowed``."""
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {tuple(allowed)}, got {value!r}")
+
+
+def check_bool(value: Any, name: str) -> bool:
+    """``value`` when it is a bool; TypeError naming ``name`` otherwise."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def as_float_tensor(x: Any, dim: int, name: str = "x", allow_empty: bool = False) -> Tensor:
+    """Validate vectors ``x`` [..., dim] (numpy or torch, floating) and return them as float32 torch.
+
+    Raises TypeError for non-array or non-float input, ValueError for a wrong last dimension, an
+    empty batch (unless ``allow_empty``) or NaN/inf values (also values beyond float32's range).
+    """
+    if isinstance(x, np.ndarray):
+        if not np.issubdtype(x.dtype, np.floating):
+            raise TypeError(f"{name} must hold floating-point values (float16/32/64), got dtype {x.dtype}")
+        with np.errstate(over="ignore"):  # a float64 too large for float32 becomes inf, reported below
+            t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    elif isinstance(x, Tensor):
+        t = x
+        if t.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got dtype {t.dtype}")
+    else:
+        raise TypeError(f"{name} must be a numpy array or torch tensor, got {type(x).__name__}")
+    if t.dim() == 0 or t.shape[-1] != dim:
+        raise ValueError(f"{name} must have shape [..., {dim}] (dim={dim}), got {tuple(t.shape)}")
+    if t.numel() == 0 and not allow_empty:
+        raise ValueError(f"{name} is empty (shape {tuple(t.shape)}): nothing to encode")
+    t = t.detach().float()
+    if t.device.type == "cpu":  # numpy: one thread, so no torch worker threads are woken to spin
+        finite = bool(np.isfinite(t.numpy()).all())
+    else:  # NaN propagates; one pass
+        finite = not t.numel() or bool(torch.isfinite(torch.stack(torch.aminmax(t))).all())
+    if not finite:
+        raise ValueError(f"{name} contains NaN or infinite values (or values beyond float32's range)")
+    return t
+
+
+def row_norms(t: Tensor) -> Tensor:
+    """Euclidean norms of the rows of float32 t [..., d] -> float32 [...], exact to float32 rounding for
+    any finite input (rows whose float32 sum of squares would overflow or underflow are summed in
+    float64); inf only where the norm itself exceeds float32's range."""
+    rows = t.reshape(-1, t.shape[-1])
+    if rows.device.type == "cpu":
+        a = rows.numpy()
+        with np.errstate(over="ignore", under="ignore"):
+            n = np.sqrt(np.einsum("ij,ij->i", a, a))
+        out = torch.from_numpy(n)
+    else:
+        out = torch.linalg.vector_norm(rows, dim=-1)
+    unsafe = ~((out >= NORM_SAFE[0]) & (out <= NORM_SAFE[1]))  # zero, tiny, huge or overflowed rows
+    if bool(unsafe.any()):
+        out[unsafe] = torch.linalg.vector_norm(rows[unsafe].double(), dim=-1).float()
+    return out.reshape(t.shape[:-1])
+
+
+def unit_rows(t: Tensor) -> tuple[Tensor, Tensor]:
+    """float32 t [N, d] -> (norms [N] by :func:`row_norms`, t / norms), zero rows left zero; exact for any
+    finite input (rows outside NORM_SAFE are divided in float64)."""
+    n = row_norms(t)
+    unsafe = ~((n >= NORM_SAFE[0]) & (n <= NORM_SAFE[1]))
+    if not bool(unsafe.any()):
+        return n, t / n[:, None]
+    nd = torch.where(n > 0, n, torch.ones_like(n)).double()
+    return n, (t.double() / nd[:, None]).to(t.dtype)
+
+
+def check_norms(norms: Tensor, low: float, high: float, name: str, holder: str, remedy: str) -> None:
+    """ValueError naming the rows whose nonzero norm (float32 [n]) is outside [low, high]: ``holder`` is
+    what cannot hold them, ``remedy`` what the caller can do."""
+    bad = (norms != 0) & ~((norms >= low) & (norms <= high))
+    if bool(bad.any()):
+        rows = torch.nonzero(bad).squeeze(1)
+        shown = ", ".join(f"{int(r)} ({float(norms[r]):.3g})" for r in rows[:5])
+        raise ValueError(f"{name} has {len(rows)} vectors with norms outside [{low:.3g}, {high:.3g}], the range "
+                         f"{holder} holds faithfully: rows (norms) {shown}{', ...' if len(rows) > 5 else ''}; {remedy}")
