@@ -238,3 +238,16 @@ def test_load_dataset_dispatch_and_errors(tmp_path):
         load_dataset("sift-128")
     with pytest.raises(FileNotFoundError, match="python datasets/prepare_minilm.py"):
         load_dataset("minilm-384")
+
+
+def test_cache_folder_is_set_by_tqindex_cache(cache, monkeypatch, tmp_path):
+    assert data.cache_dir() == cache
+    base, queries = random(200, 8), random(5, 8, seed=1)
+    ids = cached_ground_truth("set", base, queries, 3, metric="l2")
+    (written,) = (cache / "ground_truth").iterdir()
+    assert written.name.startswith("set-l2-k3-200x8-q5-")
+    np.testing.assert_array_equal(np.load(written), ids)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for unset in (lambda: monkeypatch.delenv("TQINDEX_CACHE"), lambda: monkeypatch.setenv("TQINDEX_CACHE", "")):
+        unset()
+        assert data.cache_dir() == tmp_path / "home" / ".cache" / "tqindex"

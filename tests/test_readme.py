@@ -1,5 +1,13 @@
+import os
 import re
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -12,3 +20,40 @@ def test_readme_usage_example_runs(tmp_path, monkeypatch):
     assert scope["index"].ntotal == 10_000
     assert scope["I"][:, 0].tolist() == [0, 1, 2, 3, 4]  # each vector finds itself first
     assert scope["enc"].code_size == 34
+
+
+def block_with(language: str, marker: str) -> str:
+    """The README's one ``language`` code block that contains ``marker``."""
+    (block,) = [b for b in re.findall(rf"```{language}\n(.*?)```", README.read_text(), re.S) if marker in b]
+    return block
+
+
+def test_readme_command_line_example_runs(tmp_path):
+    bin_dir = str(Path(sys.executable).parent)  # this environment's python and tqindex script come first
+    env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
+    block = block_with("bash", "tqindex build")
+    done = subprocess.run(["bash", "-e", "-c", block], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "IVFIndex, metric cosine" in done.stdout and "10,000 x 64" in done.stdout
+    with np.load(tmp_path / "results.npz") as r:
+        assert r["ids"].shape == (10_000, 10) and (r["ids"][:, 0] == np.arange(10_000)).mean() > 0.95
+
+
+def test_readme_langchain_example_runs(tmp_path, monkeypatch):
+    pytest.importorskip("langchain_core")
+    monkeypatch.chdir(tmp_path)  # the example saves a folder
+    scope: dict = {}
+    exec(compile(block_with("python", "TQVectorStore"), str(README), "exec"), scope)
+    assert [doc.page_content for doc, _ in scope["hits"]] == ["a cat sat", "a cat ran"]
+    assert len(scope["store"]) == 2 and scope["store"].get_by_ids(scope["ids"][:1])[0].page_content == "a cat sat"
+
+
+def test_package_docstring_quick_start_runs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    import tqindex
+
+    block = textwrap.dedent(tqindex.__doc__.split("Quick start::\n")[1].split("\nReturn types")[0])
+    scope: dict = {}
+    exec(compile(block, "tqindex.__doc__", "exec"), scope)
+    assert scope["I"][:, 0].tolist() == [0, 1, 2, 3, 4] and scope["ivf"].ntotal == 10_000
+    assert isinstance(scope["D"], np.ndarray) and isinstance(scope["x_hat"], torch.Tensor)
