@@ -222,10 +222,9 @@ class Comm:
         message = b"" if error is None else f"{type(error).__name__}: {error}".encode()
         kind = 0 if error is None else next((i + 1 for i, t in enumerate(_ERRORS) if isinstance(error, t)),
                                             len(_ERRORS) + 1)
-        head = torch.zeros(3 + HEADER_FIELDS, dtype=torch.int64)
-        head[:3] = torch.tensor([kind, OPS.index(op), len(message)])
-        head[3 : 3 + len(fields)] = torch.tensor([int(f) for f in fields], dtype=torch.int64)
-        table = self.all_gather(head, f"ShardedIndex {op}").cpu().numpy()  # [world, 3 + HEADER_FIELDS]
+        head = np.zeros(3 + HEADER_FIELDS, dtype=np.int64)
+        head[: 3 + len(fields)] = [kind, OPS.index(op), len(message), *(int(f) for f in fields)]
+        table = self.all_gather(torch.from_numpy(head), f"ShardedIndex {op}").cpu().numpy()  # [world, 3 + FIELDS]
         ops = table[:, 1]
         if (ops != ops[0]).any():
             calls = ", ".join(f"rank {r}: {OPS[o]}" for r, o in enumerate(ops.tolist()))

@@ -390,8 +390,8 @@ class ShardedIndex:
         out: tuple[Any, Any] = (None, None)
         if rows is not None:
             nk, world = nq * k, self.world_size
-            ids = rows[:, : 2 * nk].clone().view(torch.int64).reshape(world, nq, k)
-            scores = rows[:, 2 * nk : 3 * nk].clone().view(torch.float32).reshape(world, nq, k)
+            ids = rows[:, : 2 * nk].reshape(-1).view(torch.int64).reshape(world, nq, k)  # a copy unless world = 1
+            scores = rows[:, 2 * nk : 3 * nk].reshape(-1).view(torch.float32).reshape(world, nq, k)
             D, I = merge_topk(scores.permute(1, 0, 2).reshape(nq, world * k),
                               ids.permute(1, 0, 2).reshape(nq, world * k), k, self.metric) if nq else (
                 torch.empty(0, k), torch.empty(0, k, dtype=torch.int64))
