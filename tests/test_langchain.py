@@ -165,6 +165,8 @@ def test_indexes_and_bad_arguments():
         store.similarity_search("t3", fetch=3)
     with pytest.raises(ValueError, match="must be empty"):
         TQVectorStore(emb, index=index)
+    with pytest.raises(TypeError, match=r"index options \['nprobe'\]"):
+        TQVectorStore(emb, index=tq.index_factory(16, "tq4"), nprobe=2)
     with pytest.raises(TypeError, match=r"metadatas\[1\] must be JSON-serialisable"):
         store.add_texts(["x", "y"], metadatas=[{}, {"when": object()}])
     with pytest.raises(ValueError, match="distinct"):

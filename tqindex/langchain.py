@@ -69,6 +69,9 @@ class TQVectorStore(VectorStore):
                 raise TypeError(f"index must be a tqindex FlatIndex or IVFIndex (or None), got {type(index).__name__}")
             if index.ntotal:
                 raise ValueError(f"index must be empty (its documents are unknown), it holds {index.ntotal} vectors")
+            if index_options:
+                raise TypeError(f"index options {sorted(index_options)} apply to an index the store makes; "
+                                "set them on the index passed as index=")
             factory, metric, index_options = None, index.metric, {}
         else:  # check the description and options now, not after the first texts are embedded
             index_factory(2, factory, metric=metric, **index_options)
