@@ -158,7 +158,10 @@ def _rank_work(rank: int, world: int, threads: int, args: dict[str, Any]) -> dic
 
 def run_world(world: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Spawn ``world`` ranks on loopback, run the build and searches -> each rank's report."""
-    ctx = mp.get_context("spawn")
+    method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+    ctx = mp.get_context(method)
+    if method == "forkserver":  # one interpreter imports torch and tqindex once; the ranks fork from it
+        ctx.set_forkserver_preload(["__main__", "torch.distributed", "tqindex.distributed"])
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -33,6 +33,7 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 
 DIM = 32
 TIMEOUT = 30.0  # seconds a collective may wait inside the scenarios that should not fail
+START_METHOD = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
 STARTUP = 120.0  # seconds for a world to come up (spawned interpreters import torch, faiss, tqindex)
 
 
@@ -62,7 +63,9 @@ class World:
     """``size`` spawned ranks in one gloo group on loopback."""
 
     def __init__(self, size: int) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context(START_METHOD)
+        if START_METHOD == "forkserver":  # one interpreter imports torch and tqindex once; the ranks fork from it
+            ctx.set_forkserver_preload(["torch.distributed", "tqindex", "tqindex.distributed", __name__])
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -221,6 +224,7 @@ def _w_add_modes(rank: int, size: int) -> dict:
     scattered.add(x if rank == 0 else None, src=0)  # default ids: row numbers
     scattered.add(torch.from_numpy(x[:10]) if rank == 0 else None, ids=np.arange(500, 510) if rank == 0 else None,
                   src=0)
+    scattered.add(x[:2] if rank == 0 else None, src=0)  # fewer rows than ranks: ids 510, 511 on ranks 0, 1
     out["scatter"] = scattered.search(QUERIES, 30)
     out["scatter_sizes"] = scattered.shard_sizes
     assigned = ShardedIndex(_local(), timeout=TIMEOUT)
@@ -406,9 +410,9 @@ def test_add_with_ids_scatter_and_assigned_ids(world3: World) -> None:
     ids = np.random.default_rng(3).permutation(10_000)[:120] * 3 + 7
     for r in results:
         assert_same(r["ids"], _reference(x, ids).search(QUERIES, 30))
-        scattered = _reference(np.concatenate([x, x[:10]]), np.concatenate([np.arange(120), np.arange(500, 510)]))
+        scattered = _reference(np.concatenate([x, x[:10], x[:2]]), np.concatenate([np.arange(120), np.arange(500, 512)]))
         assert_same(r["scatter"], scattered.search(QUERIES, 30))
-        assert r["scatter_sizes"] == [44, 43, 43]  # 40 + 4, 40 + 3, 40 + 3 rows
+        assert r["scatter_sizes"] == [45, 44, 43]  # 40 + 4 + 1, 40 + 3 + 1, 40 + 3 rows
         assert_same(r["assigned"][1], _reference(np.concatenate([x, x]), np.arange(240)).search(QUERIES, 30))
         assert r["assigned"][2] == 240
     assert np.concatenate([r["assigned"][0] for r in results]).tolist() == list(range(120))

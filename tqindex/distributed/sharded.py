@@ -261,12 +261,12 @@ class ShardedIndex:
         except Exception as e:  # roll the other ranks back, then raise everywhere
             error = e
         try:
-            self._comm.agree("add:done", [self.local.ntotal], error)
+            done = self._comm.agree("add:done", [self.local.ntotal], error)
         except Exception:
             if error is None and n:
                 self.local.remove_ids(ids)
             raise
-        self._sizes = self._sizes + counts
+        self._sizes = done[:, 0].copy()
         self._ranges = np.stack([np.minimum(self._ranges[:, 0], new_ranges[:, 0]),
                                  np.maximum(self._ranges[:, 1], new_ranges[:, 1])], 1)
         self._next_id = max(self._next_id, int(new_ranges[:, 1].max()) + 1)
@@ -304,6 +304,8 @@ class ShardedIndex:
         table = self._comm.agree("add:scatter", [n, given, src], error)
         _same(table[:, 2], "src")
         n, given = int(table[src, 0]), bool(table[src, 1])
+        if n == 0:
+            return torch.empty(0, self.dim), np.empty(0, np.int64)
         world = self.world_size
         bounds = [shard_range(n, r, world) for r in range(world)]
         width = max(b - a for a, b in bounds)
