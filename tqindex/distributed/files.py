@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ..io import load_index
+from .. import load_index
 
 MANIFEST = "manifest.json"
 FORMAT = "tqindex-sharded"

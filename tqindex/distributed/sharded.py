@@ -23,9 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..encoder import Encoder, encoder_from_dict
-from ..index import FlatIndex
-from ..ivf import IVFIndex
+from .. import Encoder, FlatIndex, IVFIndex, encoder_from_dict
 from .comm import Comm, digest
 from .files import (encoder_config, file_sha256, load_shard, read_manifest, remove_stale_shards, shard_file_name,
                     write_manifest)
