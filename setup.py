@@ -5,9 +5,9 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "tqindex._native",
-            ["tqindex/csrc/module.c", "tqindex/csrc/fastscan.c", "tqindex/csrc/quantize.c",
-             "tqindex/csrc/packing.c"],
+            "tqindex.kernels._native",
+            ["tqindex/kernels/csrc/module.c", "tqindex/kernels/csrc/fastscan.c", "tqindex/kernels/csrc/quantize.c",
+             "tqindex/kernels/csrc/packing.c"],
             extra_compile_args=["-O3"],
             optional=True,  # without a C compiler the PyTorch code paths are used
         )

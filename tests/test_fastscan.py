@@ -1,11 +1,13 @@
+from functools import partialmethod
+
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 import tqindex as tq
-import tqindex.fastscan as fs
-from tqindex import native
+import tqindex.kernels.fastscan as fs
+from tqindex.kernels import native
 from tqindex.lut import LookupTables
 from tqindex.packing import pack, unpack
 
@@ -16,7 +18,7 @@ def setup(bits: int, dim: int, n: int, nq: int, l2: bool, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     enc = tq.TurboQuantMSE(dim=dim, bits=bits)
     codes = enc.encode(torch.randn(n, dim, generator=g) * torch.rand(n, 1, generator=g) * 3)
-    scan = fs.FastScan(LookupTables(enc))
+    scan = fs.FastScan(LookupTables(enc.code_runs(), enc.dim))
     qs = enc.prepare_queries(torch.randn(nq, dim, generator=g)) * (2 if l2 else 1)
     return enc, codes, scan, fs.compiled_quantize_tables(scan.lut.nibble_tables(qs, scan=True)), (scan.sq if l2 else None)
 
@@ -48,7 +50,7 @@ def test_compiled_nibble_tables_equal_the_reference(name, dim):
     enc = tq.make_encoder(name, dim)
     if not enc.is_trained:
         enc.train(torch.randn(500, dim, generator=g) * torch.linspace(0.2, 2, dim))
-    lut = LookupTables(enc)
+    lut = LookupTables(enc.code_runs(), enc.dim)
     qs = enc.prepare_queries(torch.randn(9, dim, generator=g))
     want = lut.nibble_tables(qs)
     if lut.code_bits == 3:  # then the approximate stage's tables
@@ -87,7 +89,7 @@ def test_split_layout_approximates_3_bit_scores(dim):
     they take 3/4 of the nibbles."""
     g = torch.Generator().manual_seed(dim)
     enc = tq.TurboQuantMSE(dim=dim, bits=3)
-    lut = LookupTables(enc)
+    lut = LookupTables(enc.code_runs(), enc.dim)
     assert lut.scan_nbytes == -(-(-(-dim // 2) + -(-dim // 4)) // 2)
     codes = enc.encode(torch.randn(40, dim, generator=g))
     qs = enc.prepare_queries(torch.randn(7, dim, generator=g))
@@ -96,7 +98,7 @@ def test_split_layout_approximates_3_bit_scores(dim):
     tables = lut.nibble_tables(qs, scan=True)  # [m, 2 scan_nbytes, 16]
     approx = tables.gather(2, nib.T[None].expand(len(qs), -1, -1)).sum(1)  # [m, n]
     c = unpack(codes.qdata, 3, dim).long()
-    (_, _, levels), = enc.segments()
+    (_, levels, _), = enc.code_runs()
     pairs = levels.reshape(4, 2)
     a, d = pairs.mean(1), (pairs[:, 1] - pairs[:, 0]).mean()
     torch.testing.assert_close(approx, qs @ (a[c // 2] + (c % 2 - 0.5) * d).T, rtol=1e-5, atol=1e-5)
@@ -123,7 +125,7 @@ def test_candidates_equal_the_numpy_reference(bits, dim, l2, simd):
     # 600 dims: one block transposed at a time, and 45 queries' tables fill more than 3/4 of a 512 KB L2
     enc, codes, scan, (qtab, mul, add), sq = setup(bits, dim, n, 45 if dim == 600 else 6, l2)
     scale = codes.norm.float()
-    val, row = fs.kernel_candidates(scan.lut, codes.qdata, scale, sq, qtab, mul, add, n, allow_simd=simd)
+    val, row = fs.kernel_candidates(scan.lut, codes.qdata, scale, sq, qtab, mul, add, n, simd=simd)
     assert sorted(row[0].tolist()) == list(range(n))  # depth = n: every row, best first
     assert (val[:, 1:] <= val[:, :-1]).all()
     rows, sqnorm = approximate_stage_inputs(scan, codes, sq)
@@ -133,7 +135,7 @@ def test_candidates_equal_the_numpy_reference(bits, dim, l2, simd):
     tol = 0.25 * mul.numpy()[:, None] * scale.numpy()[row.numpy()] + 1e-5 * np.abs(ref).max()
     assert (np.abs(val.numpy() - got) <= tol).all()
     # a smaller depth keeps the best approximate scores
-    val20, row20 = fs.kernel_candidates(scan.lut, codes.qdata, scale, sq, qtab, mul, add, 20, allow_simd=simd)
+    val20, row20 = fs.kernel_candidates(scan.lut, codes.qdata, scale, sq, qtab, mul, add, 20, simd=simd)
     torch.testing.assert_close(val20, val[:, :20])
 
 
@@ -142,8 +144,8 @@ def test_simd_and_portable_loops_agree():
         pytest.skip("no AVX2 on this CPU")
     _, codes, scan, (qtab, mul, add), _ = setup(4, 64, 1000, 9, False)
     scale = codes.norm.float()
-    a = fs.kernel_candidates(scan.lut, codes.qdata, scale, None, qtab, mul, add, 1000, allow_simd=True)
-    b = fs.kernel_candidates(scan.lut, codes.qdata, scale, None, qtab, mul, add, 1000, allow_simd=False)
+    a = fs.kernel_candidates(scan.lut, codes.qdata, scale, None, qtab, mul, add, 1000, simd=True)
+    b = fs.kernel_candidates(scan.lut, codes.qdata, scale, None, qtab, mul, add, 1000, simd=False)
     va = torch.empty_like(a[0]).scatter_(1, a[1], a[0])  # scores by row
     vb = torch.empty_like(b[0]).scatter_(1, b[1], b[0])
     # the same integer sums; only float rounding (fused or not) differs
@@ -183,14 +185,13 @@ def test_sampled_threshold_keeps_the_exact_candidates(adversarial):
 @pytest.mark.parametrize("simd", [True, False])
 def test_compiled_search_equals_pytorch_search(monkeypatch, nq, metric, name, dim, simd):
     monkeypatch.setattr(fs, "MIN_THREAD_SCORES", 64)  # split rows (few queries) or queries over threads
-    monkeypatch.setattr(fs, "SIMD", simd)
+    portable(monkeypatch, simd)
     g = torch.Generator().manual_seed(nq)
     x, q = torch.randn(5000, dim, generator=g), torch.randn(nq, dim, generator=g)
-    index = tq.index_factory(dim, name, metric=metric)
-    assert index._fast is not None
+    index = tq.index_factory(dim, name, metric=metric, backend="native")
     index.add(x)
     D, I = index.search(q, 64)
-    index.compiled_scan = False
+    index.backend = "torch"
     D0, I0 = index.search(q, 64)
     assert (I == I0).float().mean() > 0.999  # equal up to exact ties
     torch.testing.assert_close(D, D0, rtol=1e-5, atol=1e-5)
@@ -200,23 +201,31 @@ def test_compiled_search_equals_pytorch_search(monkeypatch, nq, metric, name, di
 def test_tied_scores_come_out_sorted(monkeypatch, simd):
     """500 distinct vectors, each 8 times: every score is tied; the candidates ranked into an empty
     top-k keep the best scores, best first."""
-    monkeypatch.setattr(fs, "SIMD", simd)
+    portable(monkeypatch, simd)
     g = torch.Generator().manual_seed(5)
     x, q = torch.randn(500, 32, generator=g).repeat(8, 1), torch.randn(20, 32, generator=g)
-    index = tq.index_factory(32, "tq4")
+    index = tq.index_factory(32, "tq4", backend="native")
     index.add(x)
     D, I = index.search(q, 64)
-    index.compiled_scan = False
+    index.backend = "torch"
     D0, _ = index.search(q, 64)
     torch.testing.assert_close(D, D0, rtol=1e-5, atol=1e-5)
     assert (D[:, 1:] <= D[:, :-1]).all() and len(set(I[0].tolist())) == 64
-    scores = index.encoder.decode(index.encoder.encode(x)) @ q.T  # [4000, 20]
+    scores = index.encoder.decode(index.encoder.encode(x, "native")) @ q.T  # [4000, 20]
     torch.testing.assert_close(D, scores.T.gather(1, I), rtol=1e-5, atol=1e-5)
 
 
 def test_scan_without_kernel(monkeypatch):
     monkeypatch.setattr(native, "available", lambda: False)
-    index = tq.index_factory(16, "tq4")
-    assert not index.compiled_scan
+    index = tq.index_factory(16, "tq4")  # auto: PyTorch
     index.add(torch.randn(100, 16))
     assert index.search(torch.randn(2, 16), 3)[1].shape == (2, 3)
+    index.backend = "native"  # asked for explicitly: an error naming it
+    with pytest.raises(ValueError, match="native"):
+        index.search(torch.randn(2, 16), 3)
+
+
+def portable(monkeypatch, simd: bool) -> None:
+    """Scans through the kernel's portable loops unless ``simd``."""
+    if not simd:
+        monkeypatch.setattr(fs.NativeScorer, "__init__", partialmethod(fs.NativeScorer.__init__, simd=False))

@@ -6,6 +6,8 @@ import torch
 
 import tqindex as tq
 import tqindex.index as tqi
+import tqindex.scorer as tqs
+from tqindex.checks import unit_rows
 from tqindex.metrics import recall_at
 
 ENCODERS = ["tq4", "tq2", "tq3-prod", "fp4", "tq1"]
@@ -20,15 +22,16 @@ def data(n: int, dim: int, seed: int = 0) -> np.ndarray:
 
 def unit(x: np.ndarray) -> np.ndarray:
     """Rows scaled to unit norm, computed as the index does (the same float32 rounding)."""
-    t = torch.from_numpy(x)
-    return (t / torch.linalg.vector_norm(t, dim=1, keepdim=True)).numpy()
+    return unit_rows(torch.from_numpy(x))[1].numpy()
 
 
-def brute_scores(encoder: tq.Encoder, metric: str, x: np.ndarray, q: np.ndarray) -> np.ndarray:
-    """[nq, n] reference: scores (ip, cosine) or squared distances (l2) over decoded vectors."""
+def brute_scores(index, metric: str, x: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """[nq, n] reference: scores (ip, cosine) or squared distances (l2) over vectors decoded from codes
+    encoded as the index encodes them (its backend)."""
     if metric == "cosine":
         x, q = unit(x), unit(q)
-    xhat = encoder.decode(encoder.encode(x)).numpy().astype(np.float64)
+    encoder = index.encoder
+    xhat = encoder.decode(encoder.encode(x, index.backend)).numpy().astype(np.float64)
     q = q.astype(np.float64)
     if metric == "l2":
         return ((q[:, None, :] - xhat[None]) ** 2).sum(-1)
@@ -60,31 +63,29 @@ def snapshot(index, q: np.ndarray) -> tuple:
 @pytest.mark.parametrize("name", ENCODERS)
 @pytest.mark.parametrize("metric", METRICS)
 @pytest.mark.parametrize("nq", [3, 40])  # PyTorch paths: lookup tables (few queries) and decode-and-GEMM
-@pytest.mark.parametrize("compiled", [True, False])  # the compiled scan where it serves the encoder
-def test_search_equals_brute_force(name, metric, nq, compiled):
+@pytest.mark.parametrize("backend", [None, "torch"])  # auto: the compiled scan where it serves the encoder
+def test_search_equals_brute_force(name, metric, nq, backend):
     dim = 50
     x, q = data(600, dim, 1), data(nq, dim, 2)
-    index = tq.index_factory(dim, name, metric=metric)
-    index.compiled_scan &= compiled
+    index = tq.index_factory(dim, name, metric=metric, backend=backend)
     index.add(x)
     D, I = index.search(q, 10)
-    assert_matches(D, I, brute_scores(index.encoder, metric, x, q), np.arange(600), 10, metric)
+    assert_matches(D, I, brute_scores(index, metric, x, q), np.arange(600), 10, metric)
 
 
 @pytest.mark.parametrize("dim", [32, 130])
 @pytest.mark.parametrize("nq", [1, 40])
 def test_search_across_many_blocks(monkeypatch, dim, nq):
-    monkeypatch.setattr(tqi, "DECODE_ELEMENTS", 300 * dim)  # decode chunks of 300 codes
-    monkeypatch.setattr(tqi, "MIN_TILE", 37)
-    monkeypatch.setattr(tqi, "TILE_BYTES", 1)  # score tiles of 37 codes
+    monkeypatch.setattr(tqs, "DECODE_ELEMENTS", 300 * dim)  # decode chunks of 300 codes
+    monkeypatch.setattr(tqs, "MIN_TILE", 37)
+    monkeypatch.setattr(tqs, "TILE_BYTES", 1)  # score tiles of 37 codes
     x, q = data(600, dim, 3), data(nq, dim, 4)
     for metric in METRICS:
-        index = tq.FlatIndex(tq.TurboQuantMSE(dim=dim, bits=4), metric=metric)
-        index.compiled_scan = False
+        index = tq.FlatIndex(tq.TurboQuantMSE(dim=dim, bits=4), metric=metric, backend="torch")
         index.add(x[:250])
         index.add(x[250:])
         D, I = index.search(q, 25)
-        assert_matches(D, I, brute_scores(index.encoder, metric, x, q), np.arange(600), 25, metric)
+        assert_matches(D, I, brute_scores(index, metric, x, q), np.arange(600), 25, metric)
 
 
 def test_result_contract_numpy_and_torch():
@@ -177,21 +178,21 @@ def test_interrupted_add_leaves_index_unchanged(monkeypatch):
     index = tq.FlatIndex(tq.TurboQuantMSE(dim=50, bits=4), keep_vectors=True)
     index.add(data(10, 50))
     q = data(3, 50, 5)
-    before, next_id = snapshot(index, q), index._next_id
+    before, next_id = snapshot(index, q), index._state.next_id
     monkeypatch.setattr(tqi, "ADD_CHUNK", 4)
     calls = {"n": 0}
     encode = index.encoder.encode_valid
 
-    def interrupted(x):
+    def interrupted(x, backend=None):
         calls["n"] += 1
         if calls["n"] == 2:
             raise KeyboardInterrupt
-        return encode(x)
+        return encode(x, backend)
 
     monkeypatch.setattr(index.encoder, "encode_valid", interrupted)
     with pytest.raises(KeyboardInterrupt):
         index.add(data(10, 50, 1))
-    assert snapshot(index, q) == before and index._next_id == next_id
+    assert snapshot(index, q) == before and index._state.next_id == next_id
 
 
 @pytest.mark.parametrize("metric", METRICS)
@@ -206,24 +207,23 @@ def test_remove_ids_then_search_skips_them(metric):
     keep = np.setdiff1d(np.arange(300), gone)
     D, I = index.search(q, 300)
     assert not np.isin(I, gone).any()
-    assert_matches(D, I, brute_scores(index.encoder, metric, x[keep], q), keep, 300, metric)
+    assert_matches(D, I, brute_scores(index, metric, x[keep], q), keep, 300, metric)
     index.add(x[:2], ids=[0, 3])  # removed ids can come back
     assert index.ntotal == 202
 
 
 @pytest.mark.parametrize("metric", METRICS)
 @pytest.mark.parametrize("nq", [2, 12])
-@pytest.mark.parametrize("compiled", [True, False])
-def test_filtered_search_equals_brute_force_over_allowed(metric, nq, compiled):
+@pytest.mark.parametrize("backend", [None, "torch"])
+def test_filtered_search_equals_brute_force_over_allowed(metric, nq, backend):
     x, q = data(500, 64), data(nq, 64, 1)
-    index = tq.FlatIndex(tq.TurboQuantMSE(dim=64, bits=4), metric=metric)
-    index.compiled_scan &= compiled
+    index = tq.FlatIndex(tq.TurboQuantMSE(dim=64, bits=4), metric=metric, backend=backend)
     index.add(x, ids=np.arange(500) * 2)
     allowed_rows = np.random.default_rng(3).choice(500, 40, replace=False)
     allow = np.concatenate([allowed_rows * 2, [1, 9999]])  # unknown ids are ignored
     D, I = index.search(q, 50, allow=torch.from_numpy(allow))  # fewer allowed than k: padded
     assert isinstance(D, np.ndarray)
-    ref = brute_scores(index.encoder, metric, x[allowed_rows], q)
+    ref = brute_scores(index, metric, x[allowed_rows], q)
     assert_matches(D, I, ref, allowed_rows * 2, 50, metric)
     D, I = index.search(q, 5, allow=[])
     assert (I == -1).all()
@@ -270,8 +270,15 @@ def test_memory_bytes_and_progress(capsys):
     index = tq.FlatIndex(tq.TurboQuantMSE(dim=50, bits=4))
     index.add(x, progress=True)
     fixed = sum(t.numel() * t.element_size() for t in index.encoder.tensors().values())
-    assert index.memory_bytes() == 1000 * (index.encoder.code_size + 8) + fixed
-    index.search(x[:3], 5, progress=True)
+    assert index.memory_bytes() == 1000 * index.encoder.code_size + fixed  # ids 0..n-1: no id array
+    D, I = index.search(x[:3], 5, progress=True)
+    assert index.memory_bytes() == 1000 * index.encoder.code_size + fixed  # searching caches no id table
+    index.remove_ids([0])  # ids no longer the rows: held, 8 bytes each
+    assert index.memory_bytes() == 999 * (index.encoder.code_size + 8) + fixed
+    explicit = tq.FlatIndex(tq.TurboQuantMSE(dim=50, bits=4))
+    explicit.add(x, ids=np.arange(1000) + 7)
+    assert explicit.memory_bytes() == 1000 * (index.encoder.code_size + 8) + fixed
+    np.testing.assert_array_equal(explicit.search(x[:3], 5)[1], I + 7)
     assert "add" in capsys.readouterr().err
     with pytest.raises(TypeError, match="progress"):
         index.search(x[:3], 5, progress="yes")

@@ -1,8 +1,11 @@
+from functools import partialmethod
+
 import numpy as np
 import pytest
 import torch
 
 import tqindex as tq
+import tqindex.kernels.fastscan as fs
 from test_index import METRICS, assert_matches, brute_scores, data, snapshot, unit
 
 NLIST = 16
@@ -43,7 +46,7 @@ def test_all_lists_without_residual_equals_flat(metric, nq):
     D, I = ivf.search(q, 20, nprobe=NLIST)
     Df, If = flat.search(q, 20)
     np.testing.assert_allclose(D, Df, rtol=1e-5, atol=1e-5)
-    assert_matches(D, I, brute_scores(ivf.encoder, metric, x, q), np.arange(1500), 20, metric)
+    assert_matches(D, I, brute_scores(ivf, metric, x, q), np.arange(1500), 20, metric)
 
 
 @pytest.mark.parametrize("metric", METRICS)
@@ -52,17 +55,17 @@ def test_all_lists_without_residual_equals_flat(metric, nq):
 def test_compiled_list_scan_equals_pytorch_scan(monkeypatch, metric, name, nq, simd, allow):
     """Raw codes: every probed list in one kernel call (queries split over jobs and threads), each
     query's candidates re-scored once; the same results as the PyTorch list-by-list scan."""
-    import tqindex.fastscan as fs
     monkeypatch.setattr(fs, "MIN_THREAD_SCORES", 64)
     monkeypatch.setattr(fs, "MIN_JOB_QUERIES", 4)
-    monkeypatch.setattr(fs, "SIMD", simd)
+    if not simd:  # the kernel's portable loops
+        monkeypatch.setattr(fs.NativeScorer, "__init__", partialmethod(fs.NativeScorer.__init__, simd=False))
     x, q = data(3000, 48, 6), data(nq, 48, 7)
     ivf = trained(metric, False, x, name, nprobe=5)
     ivf.add(x, ids=np.arange(3000) * 3 + 7)
     ivf.remove_ids(np.arange(100) * 3 + 7)  # rows no longer live
     allowed = np.arange(0, 9000, 2) + 1 if allow else None  # ids 3i + 7 with i even
     D, I = ivf.search(q, 40, allow=allowed)
-    ivf.compiled_scan = False
+    ivf.backend = "torch"
     D0, I0 = ivf.search(q, 40, allow=allowed)
     np.testing.assert_allclose(D, D0, rtol=1e-5, atol=1e-5)
     assert (I == I0).mean() > 0.999  # equal up to exact ties
@@ -72,11 +75,10 @@ def test_compiled_list_scan_equals_pytorch_scan(monkeypatch, metric, name, nq, s
 
 @pytest.mark.parametrize("metric", METRICS)
 @pytest.mark.parametrize("name, nq", [("tq4", 9), ("tq4", 40), ("tq3", 40), ("tq3-prod", 9), ("fp4", 9)])
-@pytest.mark.parametrize("compiled", [True, False])
-def test_residual_search_equals_brute_force_over_reconstructions(metric, name, nq, compiled):
+@pytest.mark.parametrize("backend", [None, "torch"])
+def test_residual_search_equals_brute_force_over_reconstructions(metric, name, nq, backend):
     x, q = data(1200, 50, 2), data(nq, 50, 3)
-    ivf = trained(metric, True, x, name)
-    ivf.compiled_scan &= compiled
+    ivf = trained(metric, True, x, name, backend=backend)
     ivf.add(x)
     _, xhat = reconstructions(ivf, x)
     D, I = ivf.search(q, 15, nprobe=NLIST)

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tqindex import native
+from tqindex.kernels import native
 from tqindex.packing import PACK_BITS, pack, pack_reference, packed_size, unpack, unpack_values
 
 

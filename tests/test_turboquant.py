@@ -5,11 +5,12 @@ import pytest
 import torch
 
 import tqindex as tq
-from tqindex import native
+from tqindex.kernels import native
 from tqindex.codebooks import lloyd_max
 from tqindex.packing import packed_size, unpack
 from tqindex.rotation import Rotation
-from tqindex.turboquant import _encode_directions_native, encode_directions_reference, search_alphas
+from tqindex.directions import CodeRun, encode_directions_reference, search_alphas
+from tqindex.kernels.encode_native import encode_directions_native
 
 from conftest import unit_vectors
 
@@ -100,7 +101,7 @@ def _levels(qdata, runs):
 
 
 def _check_against_reference(x, rotation, runs, alphas, simd):
-    qdata, norm, dot, sq = _encode_directions_native(x, rotation, runs, alphas, allow_simd=simd)
+    qdata, norm, dot, sq = encode_directions_native(x, rotation, runs, alphas, simd=simd)
     ref_q, ref_norm, ref_dot, ref_sq = encode_directions_reference(x, rotation, runs, alphas)
     y = rotation.apply(x)
     u = y / y.norm(dim=1, keepdim=True).clamp_min(1e-30)
@@ -126,7 +127,7 @@ def test_compiled_direction_codes_equal_reference(bits, dim, kind, candidates, s
     x = torch.randn(300 if dim > 1000 else 2000, dim, generator=torch.Generator().manual_seed(dim + bits)) * (bits / 2)
     x[3] = 0  # a zero row: zero norm, a code all the same
     rotation = Rotation.create(dim, seed=bits, kind=kind)
-    _check_against_reference(x, rotation, [(dim, s["centroids"], s["boundaries"])], search_alphas(candidates), simd)
+    _check_against_reference(x, rotation, [CodeRun(dim, s["centroids"], s["boundaries"])], search_alphas(candidates), simd)
 
 
 @pytest.mark.skipif(not native.available(), reason="compiled kernels not built")
@@ -137,7 +138,7 @@ def test_compiled_direction_codes_over_runs_of_any_length(simd):
     runs = []
     for n, bits in [(5, 4), (13, 2), (4, 0), (3, 1), (9, 3)]:
         s = tq.TurboQuantMSE(dim=64, bits=max(bits, 1)).tensors()
-        runs.append((n, s["centroids"], s["boundaries"]) if bits else (n, None, None))
+        runs.append(CodeRun(n, s["centroids"], s["boundaries"]) if bits else CodeRun(n, None, None))
     x = torch.randn(3000, 34, generator=torch.Generator().manual_seed(34))
     _check_against_reference(x, Rotation.create(34, seed=1), runs, search_alphas(6), simd)
 

@@ -70,32 +70,31 @@ def as_float_tensor(x: Any, dim: int, name: str = "x", allow_empty: bool = False
 
 
 def row_norms(t: Tensor) -> Tensor:
-    """Euclidean norms of the rows of float32 t [..., d] -> float32 [...], exact to float32 rounding for
-    any finite input (rows whose float32 sum of squares would overflow or underflow are summed in
-    float64); inf only where the norm itself exceeds float32's range."""
+    """Euclidean norms of the rows of float32 t [..., d] -> float32 [...], the float64 sum of the (exact)
+    squares rounded once: right for any finite input (inf only where the norm exceeds float32's range) and
+    exactly scaled with its row by powers of two."""
     rows = t.reshape(-1, t.shape[-1])
-    if rows.device.type == "cpu":
+    if rows.device.type == "cpu":  # numpy: one thread, so no torch worker threads are woken to spin
         a = rows.numpy()
-        with np.errstate(over="ignore", under="ignore"):
-            n = np.sqrt(np.einsum("ij,ij->i", a, a))
-        out = torch.from_numpy(n)
+        out = torch.from_numpy(np.sqrt(np.einsum("ij,ij->i", a, a, dtype=np.float64)))
     else:
-        out = torch.linalg.vector_norm(rows, dim=-1)
-    unsafe = ~((out >= NORM_SAFE[0]) & (out <= NORM_SAFE[1]))  # zero, tiny, huge or overflowed rows
-    if bool(unsafe.any()):
-        out[unsafe] = torch.linalg.vector_norm(rows[unsafe].double(), dim=-1).float()
-    return out.reshape(t.shape[:-1])
+        out = torch.linalg.vector_norm(rows, dim=-1, dtype=torch.float64)
+    with np.errstate(over="ignore"):
+        return out.float().reshape(t.shape[:-1])
 
 
 def unit_rows(t: Tensor) -> tuple[Tensor, Tensor]:
     """float32 t [N, d] -> (norms [N] by :func:`row_norms`, t / norms), zero rows left zero; exact for any
-    finite input (rows outside NORM_SAFE are divided in float64)."""
+    finite input: rows outside NORM_SAFE are scaled by a power of two first, which gives them the very
+    quotients their safe multiples get."""
     n = row_norms(t)
-    unsafe = ~((n >= NORM_SAFE[0]) & (n <= NORM_SAFE[1]))
-    if not bool(unsafe.any()):
-        return n, t / n[:, None]
-    nd = torch.where(n > 0, n, torch.ones_like(n)).double()
-    return n, (t.double() / nd[:, None]).to(t.dtype)
+    unsafe = torch.nonzero(~((n >= NORM_SAFE[0]) & (n <= NORM_SAFE[1])) & (n > 0)).squeeze(1)
+    u = t / torch.where(n > 0, n, torch.ones_like(n))[:, None]
+    if len(unsafe):
+        exp = torch.round(torch.log2(n[unsafe].double())).int()
+        scaled = torch.ldexp(t[unsafe].double(), -exp[:, None]).float()  # exact: norms near 1
+        u[unsafe] = scaled / row_norms(scaled)[:, None]
+    return n, u
 
 
 def check_norms(norms: Tensor, low: float, high: float, name: str, holder: str, remedy: str) -> None:

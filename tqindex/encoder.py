@@ -14,8 +14,10 @@ from typing import Any, Callable, ClassVar
 import torch
 from torch import Tensor
 
+from . import kernels
 from .checks import as_float_tensor, check_norms, row_norms
 from .codes import Codes
+from .scorer import DecodeScorer
 from .rotation import Rotation
 
 ENCODE_BLOCK_ELEMENTS = 1 << 20
@@ -34,6 +36,7 @@ class Encoder(ABC):
     dim: int
     seed: int
     rotation: str
+    backend: str | None
     encodes_in_blocks: ClassVar[bool] = True
     """Whether :meth:`encode_valid` hands ``_encode`` blocks of about ENCODE_BLOCK_ELEMENTS elements
     (False: ``_encode`` bounds its own temporary memory)."""
@@ -42,6 +45,7 @@ class Encoder(ABC):
     def __post_init__(self) -> None:
         if not isinstance(self.dim, int) or isinstance(self.dim, bool) or self.dim < 2:
             raise ValueError(f"dim must be an integer >= 2, got {self.dim!r}")
+        kernels.check_backend(self.backend)
         if not isinstance(self.seed, int):
             raise TypeError(f"seed must be an int, got {type(self.seed).__name__}")
         self._validate()
@@ -73,8 +77,16 @@ class Encoder(ABC):
         self._rotations.clear()
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-serialisable configuration: ``{"type": class name, field: value, ...}``."""
-        return {"type": type(self).__name__, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}}
+        """JSON-serialisable configuration of the codes: ``{"type": class name, field: value, ...}`` (the
+        ``backend`` is a choice of this process, not of the codes, and is left out)."""
+        return {"type": type(self).__name__, **{f.name: getattr(self, f.name) for f in self._config_fields()}}
+
+    def _config_fields(self) -> list[dataclasses.Field]:
+        return [f for f in dataclasses.fields(self) if f.name != "backend"]
+
+    def _backend(self, backend: str | None) -> str | None:
+        """The backend of one call: ``backend``, else the encoder's (None: ``$TQINDEX_BACKEND``, else auto)."""
+        return self.backend if backend is None else kernels.check_backend(backend)
 
     def _on(self, device: torch.device) -> dict[str, Tensor]:
         """Derived tensors on ``device`` (cached)."""
@@ -115,27 +127,30 @@ class Encoder(ABC):
         return 8.0 * self.code_size / self.dim
 
     # -- public operations -------------------------------------------------------------------------
-    def encode(self, x: Any) -> Codes:
-        """Encode vectors ``x`` [..., dim] (numpy or torch; float16/bfloat16/float32/float64) -> Codes [...].
+    def encode(self, x: Any, backend: str | None = None) -> Codes:
+        """Encode vectors ``x`` [..., dim] (numpy or torch; float16/bfloat16/float32/float64) -> Codes [...]
+        of torch tensors on x's device (numpy input: the CPU).
 
-        ValueError for vectors whose norm is outside :attr:`norm_limits` (zero vectors are fine)."""
+        ValueError for vectors whose norm is outside :attr:`norm_limits` (zero vectors are fine).
+        ``backend``: for this call (default: the encoder's; see ``tqindex.kernels``)."""
         t = as_float_tensor(x, self.dim)
         self.check_norms(row_norms(t), "x")
-        return self.encode_valid(t.reshape(-1, self.dim)).reshape(*t.shape[:-1])
+        return self.encode_valid(t.reshape(-1, self.dim), backend).reshape(*t.shape[:-1])
 
     def check_norms(self, norms: Tensor, name: str) -> None:
         """ValueError naming the vectors whose norms (float32 [n]) are outside :attr:`norm_limits`."""
         check_norms(norms, *self.norm_limits, name, f"{type(self).__name__}'s side data",
                     "store float32 side data (norm_dtype='float32') or rescale the vectors")
 
-    def encode_valid(self, t: Tensor) -> Codes:
+    def encode_valid(self, t: Tensor, backend: str | None = None) -> Codes:
         """:meth:`encode` without the input checks, for rows already validated by :func:`as_float_tensor`
         (and :meth:`check_norms`): float32 t [N, dim] -> Codes [N]. Side data beyond its storage type's range
         saturates at its largest finite value."""
+        backend = self._backend(backend)
         if not self.encodes_in_blocks:
-            return self._encode(t)
+            return self._encode(t, backend)
         rows = max(1, ENCODE_BLOCK_ELEMENTS // self.dim)  # bounded temporary memory
-        parts = [self._encode(t[i : i + rows]) for i in range(0, t.shape[0], rows)]
+        parts = [self._encode(t[i : i + rows], backend) for i in range(0, t.shape[0], rows)]
         return parts[0] if len(parts) == 1 else Codes.cat(parts)
 
     def decode(self, codes: Codes) -> Tensor:
@@ -166,6 +181,14 @@ class Encoder(ABC):
         """:meth:`score` for queries already rotated by :meth:`prepare_queries`: -> [..., m, n] float32."""
         return qr @ self.decode_rotated(codes).mT
 
+    def scorer(self, qs: Tensor, l2: bool, backend: str | None = None, shifted: bool = False, bar: Any = None):
+        """A :class:`~tqindex.scorer.Scorer` of this encoder's codes for prepared queries qs [m, dim] (rotated,
+        doubled for "l2": see :mod:`tqindex.scorer`): scores of code blocks and their fused top-k. Here
+        decode-and-GEMM (torch, any device); encoders with faster scans override this. ``shifted``: pushes
+        may shift the queries (residual IVF lists); ``bar``: a progress bar counting scores."""
+        kernels.select(qs, self._backend(backend), (), f"scans of {type(self).__name__} codes")
+        return DecodeScorer(self, qs, l2, bar)
+
     def score(self, q: Any, codes: Codes) -> Tensor:
         """Inner-product estimates ``q @ decode(codes).mT``: q [..., m, dim], codes [..., n] -> [..., m, n].
 
@@ -189,15 +212,15 @@ class Encoder(ABC):
         """Bytes of the ``qdata`` plane per vector."""
 
     @abstractmethod
-    def _encode(self, x: Tensor) -> Codes:
-        """x [N, dim] float32 -> Codes [N]."""
+    def _encode(self, x: Tensor, backend: str | None = None) -> Codes:
+        """x [N, dim] float32 -> Codes [N] (``backend``: for ``kernels.select``)."""
 
     @abstractmethod
     def _decode_rotated(self, codes: Codes) -> Tensor:
         """Codes [...] -> R x̂ [..., dim] float32 (the reconstruction in the rotated domain)."""
 
     def __repr__(self) -> str:
-        args = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))
+        args = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in self._config_fields())
         return f"{type(self).__name__}({args})"
 
 
@@ -237,7 +260,7 @@ def encoder_from_dict(config: dict[str, Any], tensors: dict[str, Tensor] | None 
         got = config.get("type") if isinstance(config, dict) else type(config).__name__
         raise ValueError(f"unknown encoder type {got!r}; known: {sorted(_CLASSES)}")
     cls = _CLASSES[config["type"]]
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = {f.name for f in dataclasses.fields(cls)} - {"backend"}
     unknown = set(config) - names - {"type"}
     if unknown:
         raise ValueError(f"unknown {cls.__name__} fields {sorted(unknown)}")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from . import kernels
 from .codebooks import E2M1_VALUES, SCALE_ROUNDINGS, e2m1_encode, ue8m0_byte, ue8m0_exponent, ue8m0_scale
 from .codes import Codes
 from .encoder import Encoder, register_class, register_name
@@ -37,6 +38,7 @@ class FP4UE8M0(Encoder):
     scale_rounding: str = "ceil"
     seed: int = 0
     rotation: str = "auto"
+    backend: str | None = None
 
     def _validate(self) -> None:
         if not isinstance(self.group_size, int) or self.group_size < 2 or self.group_size % 2:
@@ -66,7 +68,8 @@ class FP4UE8M0(Encoder):
         y = torch.nn.functional.pad(y, (0, pad))
         return y.reshape(*y.shape[:-1], self.groups, self.group_size)
 
-    def _encode(self, x: Tensor) -> Codes:
+    def _encode(self, x: Tensor, backend: str | None = None) -> Codes:
+        kernels.select(x, backend, (), "FP4 encoding")  # PyTorch on every device
         y = self._grouped(self._rotation(x.device).apply(x))  # [N, G, gs]
         exp = ue8m0_exponent(y.abs().amax(-1), self.scale_constant, self.scale_rounding)  # [N, G]
         scale = ue8m0_scale(ue8m0_byte(exp))

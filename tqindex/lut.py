@@ -19,12 +19,13 @@ of four, 3/4 of the lookups; the candidates it keeps are re-scored with the exac
 
 from __future__ import annotations
 
+from typing import NamedTuple, Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from .codes import Codes
-from .encoder import Encoder
 from .packing import unpack
 
 LUT_BITS = (1, 2, 4)
@@ -32,60 +33,70 @@ STREAM_BITS = 3
 """Codes of this width have nibble tables only (when they are the encoder's one run)."""
 
 
-def lut_supported(encoder: Encoder, nibbles: bool = False) -> bool:
-    """True when :class:`LookupTables` can score ``encoder``'s codes by byte tables: a trained encoder
-    with code runs (``segments()``: TurboQuantMSE, TurboQuantPCA) of 1, 2 or 4 bits (or 0, stored as
-    nothing). With ``nibbles``: by nibble tables, which also serve one run of 3-bit codes."""
-    if not hasattr(encoder, "segments") or not encoder.is_trained:
-        return False
-    widths = [w for _, w, _ in encoder.segments()]
+class NibbleRun(NamedTuple):
+    """How one run of codes fills nibbles: coordinates [start, start + width), ``per_nibble`` codes in each of
+    ``nibbles`` nibbles, and the levels [16, per_nibble] of the codes of every nibble value."""
+
+    start: int
+    width: int
+    per_nibble: int
+    nibbles: int
+    levels: Tensor
+
+
+def lut_supported(runs: Sequence, nibbles: bool = False) -> bool:
+    """True when :class:`LookupTables` can score codes of these runs (``tqindex.directions.CodeRun``) by
+    byte tables: runs of 1, 2 or 4 bits (or 0, stored as nothing). With ``nibbles``: by nibble tables,
+    which also serve one run of 3-bit codes."""
+    widths = [r.bits for r in runs]
     return all(w in LUT_BITS or w == 0 for w in widths) or (nibbles and widths == [STREAM_BITS])
 
 
-def lut_scores(encoder: Encoder, qr: Tensor, codes: Codes) -> Tensor:
-    """``encoder.score_prepared(qr, codes)`` by table lookup.
+def lut_scores(runs: Sequence, qr: Tensor, codes: Codes) -> Tensor:
+    """``encoder.score_prepared(qr, codes)`` by table lookup for an encoder with these code runs.
 
     qr: [m, dim] float32 rotated queries (``encoder.prepare_queries``); codes: Codes [n] on the same
     device. Returns [m, n] float32.
     """
-    lut = LookupTables(encoder, qr.device)
+    lut = LookupTables(runs, qr.shape[-1], qr.device)
     return lut.scan(lut.tables(qr), codes)
 
 
 class LookupTables:
-    """Builds per-query byte tables for one encoder and scores codes with them."""
+    """Builds per-query byte tables for codes of one set of runs and scores codes with them."""
 
-    def __init__(self, encoder: Encoder, device: torch.device | str = "cpu") -> None:
-        if not lut_supported(encoder, nibbles=True):
+    def __init__(self, runs: Sequence, dim: int, device: torch.device | str = "cpu") -> None:
+        if not lut_supported(runs, nibbles=True):
             raise ValueError(f"lookup tables need codes of {LUT_BITS} bits per coordinate, or {STREAM_BITS} in "
-                             f"one run (TurboQuantMSE, TurboQuantPCA), got {encoder!r}")
-        self.dim = encoder.dim
-        self.runs = []  # (first coordinate, coordinates, codes per nibble, nibbles, levels [16, per nibble])
+                             f"one run, got runs of {[r.bits for r in runs]} bits")
+        self.dim = dim
+        self.runs: list[NibbleRun] = []
         # 4: every nibble holds whole codes; 3: one run of 3-bit codes (a bit stream), one per nibble read
-        self.code_bits = STREAM_BITS if [w for _, w, _ in encoder.segments()] == [STREAM_BITS] else 4
+        self.code_bits = STREAM_BITS if [r.bits for r in runs] == [STREAM_BITS] else 4
         start = 0
-        for n, w, centroids in encoder.segments():
-            if w:
-                per_nibble = max(1, 4 // w)
-                nibbles = unpack(torch.arange(16, dtype=torch.uint8, device=device)[:, None], w, per_nibble)
-                self.runs.append((start, n, per_nibble, 2 * -(-n // (2 * per_nibble)), centroids.to(device)[nibbles.int()]))
-            start += n
-        self.nbytes = sum(r[3] for r in self.runs) // 2  # P: nibble-packed bytes per vector (more than stored for 3 bits)
+        for run in runs:
+            if run.bits:
+                per_nibble = max(1, 4 // run.bits)
+                nibbles = unpack(torch.arange(16, dtype=torch.uint8, device=device)[:, None], run.bits, per_nibble)
+                self.runs.append(NibbleRun(start, run.width, per_nibble, 2 * -(-run.width // (2 * per_nibble)),
+                                           run.centroids.to(device)[nibbles.int()]))
+            start += run.width
+        self.nbytes = sum(r.nibbles for r in self.runs) // 2  # P: nibble-packed bytes per vector (more than stored for 3 bits)
         # the runs of the compiled scan's approximate stage, and its bytes per row
-        self.scan_runs = self._split_runs(encoder) if self.code_bits == STREAM_BITS else self.runs
-        self.scan_nbytes = -(-sum(r[3] for r in self.scan_runs) // 2)
+        self.scan_runs = self._split_runs(runs) if self.code_bits == STREAM_BITS else self.runs
+        self.scan_nbytes = -(-sum(r.nibbles for r in self.scan_runs) // 2)
         self.offsets = torch.arange(0, 256 * self.nbytes, 256, dtype=torch.int32, device=device)  # [P]
         self.sq_tables = self._bytes(self.nibble_tables(None)[None])  # [P, 256, 1]: sums of c² (1/2/4 bits)
 
-    def _split_runs(self, encoder: Encoder) -> list[tuple]:
+    def _split_runs(self, runs: Sequence) -> list[NibbleRun]:
         """The split layout of 3-bit codes (module docstring): pair nibbles, then low-bit nibbles."""
-        (n, _, c), = encoder.segments()
-        pairs = c.to(self.runs[0][4].device).float().reshape(4, 2)  # [t, l]
+        (n, c, _), = runs
+        pairs = c.to(self.runs[0].levels.device).float().reshape(4, 2)  # [t, l]
         a, d = pairs.mean(1), (pairs[:, 1] - pairs[:, 0]).mean()
         v = torch.arange(16, device=a.device)
         shifts = torch.arange(4, device=a.device)
         low = (((v[:, None] >> shifts) & 1) - 0.5) * d  # [16, 4]
-        return [(0, n, 2, -(-n // 2), a[torch.stack((v & 3, v >> 2), 1)]), (0, n, 4, -(-n // 4), low)]
+        return [NibbleRun(0, n, 2, -(-n // 2), a[torch.stack((v & 3, v >> 2), 1)]), NibbleRun(0, n, 4, -(-n // 4), low)]
 
     def nibble_tables(self, q: Tensor | None, scan: bool = False) -> Tensor:
         """Nibble tables of rotated queries q [m, dim] -> [m, 2P, 16]: entry ``[i, t, v]`` is the partial

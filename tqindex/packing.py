@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import native
+from . import kernels
 
 PACK_BITS = (1, 2, 3, 4, 8)
 
@@ -28,22 +28,19 @@ def _check_bits(bits: int) -> None:
         raise ValueError(f"bits must be one of {PACK_BITS}, got {bits!r}")
 
 
-def pack(codes: Tensor, bits: int) -> Tensor:
+def pack(codes: Tensor, bits: int, backend: str | None = None) -> Tensor:
     """Pack integer codes [..., dim] with values in [0, 2^bits) into uint8 [..., ceil(dim·bits/8)].
 
-    CPU rows go through the compiled kernel (``csrc/packing.c``) when it is built, others through
-    :func:`pack_reference`."""
+    ``backend`` as for ``kernels.select`` (the compiled kernel, ``csrc/packing.c``, serves CPU rows);
+    :func:`pack_reference` is the reference."""
     _check_bits(bits)
     c = codes.to(torch.uint8)
     if bits == 8:
         return c
-    if c.device.type == "cpu" and c.numel() and native.available():
-        rows = c.reshape(-1, c.shape[-1]).contiguous()
-        out = torch.empty(len(rows), packed_size(c.shape[-1], bits), dtype=torch.uint8)
-        lib = native.require()
-        native.parallel(lambda a, b: lib.tq_pack(rows[a:].data_ptr(), b - a, rows.shape[1], bits, out[a:].data_ptr()),
-                        native.row_jobs(*rows.shape))
-        return out.reshape(*c.shape[:-1], out.shape[-1])
+    if c.numel() and kernels.select(c, backend, ("native",), "bit packing") == "native":
+        from .kernels.encode_native import pack_native  # it imports this module
+
+        return pack_native(c, bits)
     return pack_reference(c, bits)
 
 

@@ -17,19 +17,18 @@ lookup-table scans serve these codes too.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from .checks import as_float_tensor, check_choice, unit_rows
 from .codebooks import lloyd_max
 from .codes import Codes
-from .checks import as_float_tensor, check_choice, unit_rows
-from .encoder import Encoder, register_class, register_name
-from .packing import packed_size, unpack_values
+from .directions import NORM_DTYPES, CodeRun, DirectionEncoder, encode_directions, search_alphas, store_scale
+from .encoder import register_class, register_name
+from .packing import packed_size
 from .rotation import seeded_rng
-from .turboquant import NORM_DTYPES, NORM_LIMITS, Run, encode_directions, search_alphas, store_scale
 
 PCA_WIDTHS = (0, 1, 2, 4)
 """Bits per coordinate a group may get."""
@@ -68,15 +67,13 @@ def allocate(variances: np.ndarray, bits: int) -> list[list[int]]:
 
 @register_class
 @dataclass(eq=False, repr=False)
-class TurboQuantPCA(Encoder):
+class TurboQuantPCA(DirectionEncoder):
     """Trained TurboQuant (see the module notes): ``bits`` is the average budget per coordinate.
 
     ``groups`` ``[[size, width], ...]`` (PCA order, widths in PCA_WIDTHS) is set by :meth:`train` (or
     given, then train only learns the basis). Until trained, encoding raises. ``code_search`` and
     ``norm_dtype`` are as in TurboQuantMSE (with the "cos" scale).
     """
-
-    encodes_in_blocks: ClassVar[bool] = False  # encode_directions bounds its own memory
 
     dim: int
     bits: int = 2
@@ -85,6 +82,7 @@ class TurboQuantPCA(Encoder):
     code_search: int = 6
     norm_dtype: str = "float16"
     rotation: str = "learned"
+    backend: str | None = None
 
     def _validate(self) -> None:
         check_choice(self.bits, "bits", (1, 2, 3, 4))
@@ -147,18 +145,9 @@ class TurboQuantPCA(Encoder):
         self._per_device.clear()
         self._rotations.clear()
 
-    def segments(self) -> list[tuple[int, int, Tensor | None]]:
-        """(coordinates, bits, levels) of each group in qdata order (levels None for width 0)."""
-        self._require_trained()
-        return [(n, w, self._state.get(f"centroids{g}")) for g, (n, w) in enumerate(self.groups)]
-
     @property
     def code_size(self) -> int:
         return self._expected_qdata_bytes() + NORM_DTYPES[self.norm_dtype].itemsize
-
-    @property
-    def norm_limits(self) -> tuple[float, float]:
-        return NORM_LIMITS[self.norm_dtype]
 
     def _expected_qdata_bytes(self) -> int:
         groups = self.groups or []
@@ -172,31 +161,18 @@ class TurboQuantPCA(Encoder):
         self._require_trained()
         return super().prepare_queries(q, device)
 
-    def _encode(self, x: Tensor) -> Codes:
+    def _encode(self, x: Tensor, backend: str | None = None) -> Codes:
         self._require_trained()
-        qdata, n, _, sq = encode_directions(x, self._rotation(x.device), self.runs(x.device),
-                                            search_alphas(self.code_search, x.device))
+        qdata, n, _, sq = encode_directions(x, self._rotation(x.device), self.code_runs(x.device),
+                                            search_alphas(self.code_search, x.device), self._backend(backend))
         scale = torch.where(n > 0, n * sq.clamp_min(1e-30).rsqrt(), torch.zeros_like(n))
         return Codes(qdata=qdata, norm=store_scale(scale, self.norm_dtype))
 
-    def runs(self, device: torch.device | str = "cpu") -> list[Run]:
-        """The (coordinates, centroids, boundaries) run of each group for :func:`encode_directions`
-        (codebook None for width 0)."""
-        s = self._on(torch.device(device))
-        return [(n, s.get(f"centroids{g}"), s.get(f"boundaries{g}")) for g, (n, _) in enumerate(self.groups)]
-
-    def _decode_rotated(self, codes: Codes) -> Tensor:
+    def code_runs(self, device: torch.device | str = "cpu") -> list[CodeRun]:
+        """One run per group, in principal order (no codebook for width 0)."""
         self._require_trained()
-        s = self._on(codes.device)
-        out = torch.zeros(*codes.qdata.shape[:-1], self.dim, device=codes.device)
-        byte = lo = 0
-        for g, (n, w) in enumerate(self.groups):
-            if w:
-                nb = packed_size(n, w)
-                out[..., lo : lo + n] = unpack_values(codes.qdata[..., byte : byte + nb], w, n, s[f"centroids{g}"])
-                byte += nb
-            lo += n
-        return out * codes.norm.float()[..., None]
+        s = self._on(torch.device(device))
+        return [CodeRun(n, s.get(f"centroids{g}"), s.get(f"boundaries{g}")) for g, (n, _) in enumerate(self.groups)]
 
 
 for _b in (1, 2, 3, 4):

@@ -37,7 +37,7 @@ _SIGNATURES = {
 @cache
 def library() -> ctypes.CDLL | None:
     """The kernel library, or None when the extension was not built."""
-    spec = importlib.util.find_spec("tqindex._native")
+    spec = importlib.util.find_spec("tqindex.kernels._native")
     if spec is None or spec.origin is None:
         return None
     lib = ctypes.CDLL(spec.origin)

@@ -1,5 +1,5 @@
-/* Makes the kernel library (fastscan.c, quantize.c, packing.c) importable as the extension module tqindex._native;
- * its functions are called through ctypes (tqindex/native.py). */
+/* Makes the kernel library (fastscan.c, quantize.c, packing.c) importable as the extension module
+ * tqindex.kernels._native; its functions are called through ctypes (tqindex/kernels/native.py). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 

@@ -16,8 +16,8 @@ for a few queries). :meth:`FastScan.run_lists` scans IVF lists in one call: each
 all the lists it probes share one reservoir and are re-scored once; :func:`top_columns` (its top-nprobe
 lists) and :func:`group_pairs` (the (query, list) pairs by list) prepare that call.
 
-The kernel is built by ``pip install`` when a C compiler is present (``native.py``); :func:`available`
-says whether it loaded, and the index falls back to PyTorch scans otherwise. :func:`reference_scores` is the numpy
+The kernel is built by ``pip install`` when a C compiler is present (``native.py``); :class:`NativeScorer`
+is the scorer of direction codes that uses it (``tqindex.scorer.direction_scorer`` picks it). :func:`reference_scores` is the numpy
 reference of the approximate scores over the rows :func:`reference_rows` gives (:func:`kernel_candidates`
 runs that stage alone).
 """
@@ -25,24 +25,21 @@ runs that stage alone).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from ..codes import Codes
+from ..lut import LookupTables
+from ..packing import unpack
+from ..scorer import CodeRunList, Scorer
+from ..topk import HeapTopK
 from . import native
-from .codes import Codes
-from .lut import LookupTables
-from .packing import unpack
 
 if TYPE_CHECKING:
-    from .index import TopK
-
-
-def available() -> bool:
-    """True when the compiled kernel loaded (built at install time with a C compiler)."""
-    return native.available()
+    from ..topk import TopK
 
 
 def simd() -> bool:
@@ -62,8 +59,8 @@ which the threads take in turn: a thread slowed by other work takes fewer."""
 MIN_JOB_QUERIES = 64
 LIST_ROW_BITS = 32
 """A list scanned by :meth:`FastScan.run_lists` holds fewer than 2**LIST_ROW_BITS rows."""
-SIMD = True
-"""Let searches use the kernel's AVX2 paths where the CPU has them (False: the portable loops)."""
+FAST_TABLE_BYTES = 32 << 20
+"""Queries are scanned in chunks whose tables take at most this many bytes."""
 TABLE_MAX = 127
 """Largest quantized table entry: a byte's two lookups then add in 8 bits without overflow."""
 
@@ -100,7 +97,7 @@ def table_layout(lut: LookupTables) -> tuple[Tensor, Tensor, Tensor]:
             b = torch.zeros(SLOTS, 16)
             b[:per_nibble] = levels.T.float().cpu()  # levels [16, per_nibble]
             bank.append(b)
-        if sum(r[3] for r in runs) % 2:  # the empty nibble that completes the last byte
+        if sum(r.nibbles for r in runs) % 2:  # the empty nibble that completes the last byte
             coord.append(torch.full((1, SLOTS), lut.dim))
             bank_of.append(torch.zeros(1, dtype=torch.int64))
     return (torch.cat(coord).int().contiguous(), torch.cat(bank_of).int().contiguous(),
@@ -161,7 +158,7 @@ def reference_scores(rows: np.ndarray, scale: np.ndarray, sqnorm: np.ndarray | N
 
 
 def kernel_candidates(lut: LookupTables, qdata: Tensor, scale: Tensor, sq_table: Tensor | None, qtab: Tensor,
-                      mul: Tensor, add: Tensor, depth: int, allow_simd: bool = True) -> tuple[Tensor, Tensor]:
+                      mul: Tensor, add: Tensor, depth: int, simd: bool = True) -> tuple[Tensor, Tensor]:
     """The kernel's approximate stage alone: the ``depth`` best approximate scores of the code rows qdata
     uint8 [n, code bytes] of ``lut``'s encoder (scale float32 [n]; sq_table: ``lut.nibble_tables(None)`` for
     "l2" scores, or None) per query, for quantized tables of ``lut.nibble_tables(q, scan=True)`` (qtab uint8
@@ -175,7 +172,7 @@ def kernel_candidates(lut: LookupTables, qdata: Tensor, scale: Tensor, sq_table:
     status = lib.tq_fastscan_candidates(
         qdata.data_ptr(), qdata.shape[0], qdata.shape[1], lut.nbytes, lut.code_bits, scale.data_ptr(),
         _ptr(None if sq_table is None else sq_table.contiguous()), m, qtab.data_ptr(), mul.data_ptr(),
-        add.data_ptr(), None, depth, val.data_ptr(), row.data_ptr(), int(allow_simd))
+        add.data_ptr(), None, depth, val.data_ptr(), row.data_ptr(), int(simd))
     if status != 0:
         raise MemoryError("the scan kernel could not allocate its buffers")
     val, order = torch.sort(val, dim=1, descending=True)
@@ -228,9 +225,9 @@ def _query_cuts(m: int, threads: int, per_thread: int = JOBS_PER_THREAD) -> list
 class FastScan:
     """Scores 1/2/3/4-bit codes with the compiled kernel into a running top-k."""
 
-    def __init__(self, lut: LookupTables) -> None:
+    def __init__(self, lut: LookupTables, simd: bool = True) -> None:
         native.require()
-        self.lut = lut
+        self.lut, self.simd = lut, simd
         self.sq = lut.nibble_tables(None).contiguous()  # [T, 16] partial sums of c² ("l2" scores)
         self.layout = table_layout(lut)
         # one query's tables in the kernel: float32 (exact, then for 3-bit codes scan tables) + uint8 scan tables
@@ -263,7 +260,7 @@ class FastScan:
                 None if labels is None else labels[r0:].data_ptr(), base + r0, q1 - q0, qs[q0:].data_ptr(),
                 self.lut.dim, coord.data_ptr(), bank_of.data_ptr(), bank.data_ptr(),
                 None if offset is None else offset[q0:].data_ptr(), depth,
-                None if heap_rows is None else heap_rows[q0:].data_ptr(), k, hv.data_ptr(), hi.data_ptr(), int(SIMD))
+                None if heap_rows is None else heap_rows[q0:].data_ptr(), k, hv.data_ptr(), hi.data_ptr(), int(self.simd))
 
         if threads == 1 or m >= threads:  # split the queries, into several jobs per thread when they are many
             cuts = _query_cuts(m, threads)
@@ -302,7 +299,7 @@ class FastScan:
                 lists.labels_p.data_ptr(), lists.base.data_ptr(), start.data_ptr(), queries.data_ptr(),
                 lists.row_bytes, self.lut.nbytes, self.lut.code_bits, _ptr(sq), q0, q1 - q0, qs.data_ptr(),
                 self.lut.dim, coord.data_ptr(), bank_of.data_ptr(), bank.data_ptr(), depth, k,
-                top.values.data_ptr(), top.labels.data_ptr(), int(SIMD))
+                top.values.data_ptr(), top.labels.data_ptr(), int(self.simd))
 
         cuts = _query_cuts(m, threads, 1)  # each job transposes every list its queries probe: one per thread
         status = native.parallel(call, list(zip(cuts[:-1], cuts[1:])), threads)
@@ -326,3 +323,58 @@ class CodeLists:
         self.sizes = torch.tensor(sizes, dtype=torch.int64)
         self.base = torch.tensor([lab if isinstance(lab, int) else 0 for _, lab in lists], dtype=torch.int64)
         self.row_bytes = next((q.shape[1] for q in self._qdata if q is not None), 0)
+
+
+class NativeScorer(Scorer):
+    """The scorer of direction codes (runs of 1/2/3/4 bits) by the compiled nibble scan, into
+    :class:`~tqindex.topk.HeapTopK` heaps (CPU); ``simd=False`` runs the kernel's portable loops."""
+
+    def __init__(self, encoder: Any, qs: Tensor, l2: bool, bar: Any = None, simd: bool = True) -> None:
+        super().__init__(encoder, qs, l2, bar)
+        self.fast = FastScan(LookupTables(encoder.code_runs(), encoder.dim), simd)
+        self.step = max(1, FAST_TABLE_BYTES // self.fast.table_bytes)  # queries per kernel call
+
+    def push(self, codes: Codes, labels: Tensor | int, top: "TopK", rows: Tensor | None = None,
+             offset: Tensor | None = None, shift: Tensor | None = None) -> None:
+        if shift is not None:
+            raise ValueError("the compiled scan takes unshifted queries (residual IVF lists are scanned in PyTorch)")
+        qs = self.qs if rows is None else self.qs[rows]
+        for q0 in range(0, len(qs), self.step):
+            q1 = min(q0 + self.step, len(qs))
+            sub = rows[q0:q1] if rows is not None else (None if q1 - q0 == len(qs) else torch.arange(q0, q1))
+            self.fast.run(qs[q0:q1], codes, labels, top, sub, self.l2, None if offset is None else offset[q0:q1])
+        self._advance(len(qs) * len(codes))
+
+    def push_lists(self, lists: CodeRunList, probes: Tensor, top: "TopK", offsets: Tensor | None = None,
+                   shifts: Tensor | None = None) -> None:
+        """All probed lists in one kernel call per chunk of queries (each query's candidates from all its lists
+        re-scored once); with ``offsets`` the list-by-list strategy (:meth:`Scorer.push_lists`)."""
+        if offsets is not None or shifts is not None:
+            super().push_lists(lists, probes, top, offsets, shifts)
+            return
+        code_lists = getattr(lists, "native", None)
+        if code_lists is None:
+            code_lists = CodeLists(lists)
+            if hasattr(lists, "__dict__"):  # a view cached with its index state keeps its prepared form
+                lists.native = code_lists
+        for q0 in range(0, self.m, self.step):
+            q1 = min(q0 + self.step, self.m)
+            start, queries = group_pairs(probes[q0:q1], len(lists))
+            sub = _RowsTopK(top, q0) if (q0, q1) != (0, self.m) else top
+            self._advance(self.fast.run_lists(self.qs[q0:q1], code_lists, start, queries, sub, self.l2))
+
+
+class _RowsTopK:
+    """Heap rows [q0, ...) of a :class:`HeapTopK` as the heaps of a scan of queries q0, q0 + 1, ..."""
+
+    def __init__(self, top: HeapTopK, q0: int) -> None:
+        self.top, self.k = top, top.k
+        self.values, self.labels = top.values[q0:], top.labels[q0:]
+
+    @property
+    def ascending(self) -> bool:
+        return self.top.ascending
+
+    @ascending.setter
+    def ascending(self, value: bool) -> None:
+        self.top.ascending &= value

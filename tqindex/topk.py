@@ -1,0 +1,121 @@
+"""Running top-k of query rows: the k largest scores seen so far and their int64 labels.
+
+One interface, two implementations chosen by device (:func:`make_topk`): :class:`HeapTopK` keeps
+faiss min-heaps (C++, parallel over rows; the compiled CPU scan writes into them directly) and
+:class:`TensorTopK` keeps sorted torch tensors on any device (GPU scans push per-block candidates).
+Scores are "larger is better"; empty places hold ``-inf`` and label ``-1``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import faiss
+import numpy as np
+import torch
+from torch import Tensor
+
+
+class TopK:
+    """The k largest scores per query row and their labels."""
+
+    k: int
+
+    def push(self, scores: Tensor, labels: Tensor, rows: Tensor | None = None, offset: Tensor | None = None) -> None:
+        """Merge a block: scores [r, B] float32 for all rows (r = nq) or for rows ``rows`` (int64 [r]);
+        column j has label ``labels[j]`` (int64 [B]); ``offset`` [r] is added to every score of its row."""
+        raise NotImplementedError
+
+    def merge(self, values: Tensor, labels: Tensor, rows: Tensor | None = None) -> None:
+        """Merge per-row candidates: values float32 [r, j] and labels int64 [r, j] (-1: none) of rows
+        ``rows`` [r] (all rows when None)."""
+        raise NotImplementedError
+
+    def result(self) -> tuple[Tensor, Tensor]:
+        """(values [nq, k] float32, labels [nq, k] int64), best first; -inf and -1 where nothing was found.
+        Nothing may be pushed afterwards."""
+        raise NotImplementedError
+
+
+def make_topk(nq: int, k: int, device: torch.device) -> TopK:
+    """A running top-k for ``nq`` rows on ``device`` (faiss heaps on the CPU)."""
+    return HeapTopK(nq, k) if device.type == "cpu" else TensorTopK(nq, k, device)
+
+
+class HeapTopK(TopK):
+    """CPU top-k kept as faiss min-heaps: each pushed block costs about one comparison per score.
+
+    While ``ascending`` is true every row is sorted ascending (a min-heap too), so :meth:`result` only
+    reverses it; whoever writes rows otherwise (the compiled scan) clears it.
+    """
+
+    def __init__(self, nq: int, k: int) -> None:
+        self.k = k
+        # filled by numpy on one thread: a torch fill of this size wakes the intra-op thread pool
+        self.values = torch.from_numpy(np.full((nq, k), -np.inf, np.float32))  # [nq, k] in heap order
+        self.labels = torch.from_numpy(np.full((nq, k), -1, np.int64))  # [nq, k]
+        self.ascending = True
+        self._heaps = faiss.float_minheap_array_t()
+        self._heaps.nh, self._heaps.k = nq, k
+        self._heaps.val = faiss.cast_integer_to_float_ptr(self.values.data_ptr())
+        self._heaps.ids = faiss.cast_integer_to_idx_t_ptr(self.labels.data_ptr())
+
+    def push(self, scores: Tensor, labels: Tensor, rows: Tensor | None = None, offset: Tensor | None = None) -> None:
+        if offset is not None:
+            scores = scores + offset[:, None]
+        self.ascending = False
+        scores, labels = scores.contiguous(), labels.contiguous()
+        nj, vin = scores.shape[1], faiss.cast_integer_to_float_ptr(scores.data_ptr())
+        ids = faiss.cast_integer_to_idx_t_ptr(labels.data_ptr())
+        if rows is None:
+            self._heaps.addn_with_ids(nj, vin, ids, 0)  # id stride 0: one label row for all query rows
+        else:
+            rows = rows.contiguous()
+            self._heaps.addn_query_subset_with_ids(len(rows), faiss.cast_integer_to_idx_t_ptr(rows.data_ptr()),
+                                                   nj, vin, ids, 0)
+
+    def merge(self, values: Tensor, labels: Tensor, rows: Tensor | None = None) -> None:
+        rows = torch.arange(len(values)) if rows is None else rows
+        values, labels, rows = values.contiguous(), labels.contiguous(), rows.contiguous()
+        values = values.masked_fill(labels < 0, -math.inf)
+        self.ascending = False
+        self._heaps.addn_query_subset_with_ids(len(rows), faiss.cast_integer_to_idx_t_ptr(rows.data_ptr()),
+                                               values.shape[1], faiss.cast_integer_to_float_ptr(values.data_ptr()),
+                                               faiss.cast_integer_to_idx_t_ptr(labels.data_ptr()), values.shape[1])
+
+    def result(self) -> tuple[Tensor, Tensor]:
+        if self.ascending:
+            return (torch.from_numpy(self.values.numpy()[:, ::-1].copy()),
+                    torch.from_numpy(self.labels.numpy()[:, ::-1].copy()))
+        self._heaps.reorder()  # pads with -FLT_MAX
+        return self.values.masked_fill_(self.labels < 0, -math.inf), self.labels
+
+
+class TensorTopK(TopK):
+    """Top-k kept as tensors on any device, each row sorted best first; a push takes the top k of the
+    current row and the block together (``torch.topk``)."""
+
+    def __init__(self, nq: int, k: int, device: torch.device | str) -> None:
+        self.k = k
+        self.values = torch.full((nq, k), -math.inf, device=device)
+        self.labels = torch.full((nq, k), -1, dtype=torch.int64, device=device)
+
+    def push(self, scores: Tensor, labels: Tensor, rows: Tensor | None = None, offset: Tensor | None = None) -> None:
+        if offset is not None:
+            scores = scores + offset[:, None]
+        self.merge(scores, labels.to(scores.device).expand(scores.shape[0], -1), rows)
+
+    def merge(self, values: Tensor, labels: Tensor, rows: Tensor | None = None) -> None:
+        values = values.float().masked_fill(labels < 0, -math.inf)
+        old_v = self.values if rows is None else self.values[rows]
+        old_l = self.labels if rows is None else self.labels[rows]
+        v, j = torch.topk(torch.cat([old_v, values], 1), self.k, dim=1)
+        lab = torch.cat([old_l, labels], 1).gather(1, j)
+        lab = lab.masked_fill(v == -math.inf, -1)
+        if rows is None:
+            self.values, self.labels = v, lab
+        else:
+            self.values[rows], self.labels[rows] = v, lab
+
+    def result(self) -> tuple[Tensor, Tensor]:
+        return self.values, self.labels
