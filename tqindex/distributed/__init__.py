@@ -15,10 +15,10 @@ Launch one process per shard (``torchrun --nproc-per-node=N script.py``), then o
 Every method is collective (all ranks call it, in the same order). Needs nothing beyond torch.
 """
 
-from .comm import DistributedIndexError, init_distributed, local_device
+from .comm import DistributedIndexError, broadcast_encoder, init_distributed, local_device
 from .files import read_manifest
 from .merge import merge_topk
-from .sharded import SearchStats, ShardedIndex, broadcast_encoder, shard_range
+from .sharded import SearchStats, ShardedIndex, shard_range
 
 __all__ = [
     "DistributedIndexError",

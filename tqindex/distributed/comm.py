@@ -13,6 +13,7 @@ in step. A rank whose local part failed makes every rank raise the same error.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
 from datetime import timedelta
@@ -22,6 +23,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from .. import Encoder, encoder_from_dict
+from .files import encoder_config
 
 HEADER_FIELDS = 12
 """Integers per rank in an :meth:`Comm.agree` header, after status, operation and message length."""
@@ -239,3 +243,34 @@ class Comm:
             cls = _ERRORS[k - 1] if k <= len(_ERRORS) and (kinds[failed] == k).all() else DistributedIndexError
             raise cls(f"ShardedIndex {op.split(':')[0]} failed on {len(failed)} of {self.world_size} ranks: {text}") from error
         return table[:, 3:]
+
+
+
+def broadcast_encoder(encoder: Encoder | None, src: int = 0, group: Any = None,
+                      timeout: float | None = None) -> Encoder:
+    """Rank ``src``'s encoder (configuration and tensors: a learned encoder such as TurboQuantPCA after
+    training on one rank) rebuilt on every rank (collective; ``encoder`` is ignored elsewhere). Build
+    each rank's local index from the returned encoder, then shard it."""
+    comm = Comm(group, timeout)
+    if not isinstance(src, (int, np.integer)) or isinstance(src, bool) or not 0 <= src < comm.world_size:
+        raise ValueError(f"src must be a rank in [0, {comm.world_size}), got {src!r}")
+    error, meta, data = None, b"", b""
+    if comm.rank == src:
+        try:
+            if not isinstance(encoder, Encoder):
+                raise TypeError(f"encoder must be a tqindex Encoder on rank {src}, got {type(encoder).__name__}")
+            arrays = {name: t.detach().cpu().contiguous().numpy() for name, t in sorted(encoder.tensors().items())}
+            meta = json.dumps({"config": encoder_config(encoder),
+                               "tensors": [[name, a.dtype.str, list(a.shape)] for name, a in arrays.items()]}).encode()
+            data = b"".join(a.tobytes() for a in arrays.values())
+        except Exception as e:
+            error = e
+    comm.agree("encoder", [], error)
+    info = json.loads(comm.broadcast_bytes(meta, src, "broadcast_encoder (configuration)"))
+    data = comm.broadcast_bytes(data, src, "broadcast_encoder (tensors)")
+    tensors, offset = {}, 0
+    for name, dtype, shape in info["tensors"]:
+        a = np.frombuffer(data, dtype=np.dtype(dtype), count=int(np.prod(shape)), offset=offset).reshape(shape)
+        tensors[name] = torch.from_numpy(a.copy())
+        offset += a.nbytes
+    return encoder_from_dict(info["config"], tensors)

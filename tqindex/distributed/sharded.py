@@ -23,10 +23,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .. import Encoder, FlatIndex, IVFIndex, encoder_from_dict
+from .. import FlatIndex, IVFIndex
+from ..checks import check_int
 from .comm import Comm, digest
 from .files import (encoder_config, file_sha256, load_shard, read_manifest, remove_stale_shards, shard_file_name,
                     write_manifest)
+from .inputs import as_float32, count_rows, id_array, pad_rows, same_across_ranks
 from .merge import merge_topk
 
 _EMPTY = (np.iinfo(np.int64).max, -1)  # an id range holding nothing: lo > hi, neutral under min / max
@@ -231,10 +233,10 @@ class ShardedIndex:
         try:
             if error is not None:
                 raise error
-            n = _rows(x, self.dim, "x")
+            n = count_rows(x, self.dim, "x")
             given = ids is not None
             if given:
-                ids = _id_array(ids, "ids", n)
+                ids = id_array(ids, "ids", n)
                 lo, hi = (int(ids.min()), int(ids.max())) if n else _EMPTY
         except (ValueError, TypeError) as e:
             error = e
@@ -279,7 +281,7 @@ class ShardedIndex:
         to label rows before adding (then pass them as ``ids``)."""
         error = None
         try:
-            n = _check_count(n, "n")
+            n = check_int(n, "n", 0)
         except ValueError as e:
             error, n = e, 0
         counts = self._comm.agree("assign_ids", [n], error)[:, 0]
@@ -293,14 +295,14 @@ class ShardedIndex:
         error, n, given = None, 0, False
         if self.rank == src:
             try:
-                n = _rows(x, self.dim, "x")
+                n = count_rows(x, self.dim, "x")
                 given = ids is not None
                 if given:
-                    ids = _id_array(ids, "ids", n)
+                    ids = id_array(ids, "ids", n)
             except (ValueError, TypeError) as e:
                 error = e
         table = self._comm.agree("add:scatter", [n, given, src], error)
-        _same(table[:, 2], "src")
+        same_across_ranks(table[:, 2], "src")
         n, given = int(table[src, 0]), bool(table[src, 1])
         if n == 0:
             return torch.empty(0, self.dim), np.empty(0, np.int64)
@@ -309,10 +311,10 @@ class ShardedIndex:
         width = max(b - a for a, b in bounds)
         parts_x = parts_ids = None
         if self.rank == src:
-            xt = _float32(x)
+            xt = as_float32(x)
             all_ids = torch.from_numpy(ids) if given else torch.arange(self._next_id, self._next_id + n)
-            parts_x = [_pad(xt[a:b], width) for a, b in bounds]
-            parts_ids = [_pad(all_ids[a:b], width) for a, b in bounds]
+            parts_x = [pad_rows(xt[a:b], width) for a, b in bounds]
+            parts_ids = [pad_rows(all_ids[a:b], width) for a, b in bounds]
         start, stop = bounds[self.rank]
         mine = self._comm.scatter(parts_x, torch.empty(width, self.dim), src, "ShardedIndex add (rows)")
         my_ids = self._comm.scatter(parts_ids, torch.empty(width, dtype=torch.int64), src, "ShardedIndex add (ids)")
@@ -337,29 +339,29 @@ class ShardedIndex:
         error, nq, qdig, alen, adig, odig, kind = None, 0, 0, -1, 0, 0, 0
         qt = allowed = None
         try:
-            k = _check_count(k, "k", 1)
+            k = check_int(k, "k", 1)
             src, dst = self._check_rank(src, "src"), self._check_rank(dst, "dst")
             if isinstance(self.local, IVFIndex) and "nprobe" not in options:
                 options["nprobe"] = self.local.nprobe
             odig = digest(json.dumps(options, sort_keys=True, default=repr))
             if src is None or self.rank == src:
-                nq = _rows(q, self.dim, "q", allow_empty=True, allow_none=False)
+                nq = count_rows(q, self.dim, "q", allow_empty=True, allow_none=False)
                 kind = isinstance(q, Tensor)
-                allowed = None if allow is None else _id_array(allow, "allow")
+                allowed = None if allow is None else id_array(allow, "allow")
                 alen = -1 if allowed is None else len(allowed)
                 if src is None:
                     qdig, adig = digest(q), digest(allowed)
                 else:
-                    qt = _float32(q)
+                    qt = as_float32(q)
         except (ValueError, TypeError) as e:
             error, k, src, dst = e, 0, None, None
         table = comm.agree("search", [nq, k, qdig, alen, adig, odig, -1 if src is None else src,
                                       -1 if dst is None else dst, kind], error)
         for col, name in ((1, "k"), (5, "search options"), (6, "src"), (7, "dst")):
-            _same(table[:, col], name)
+            same_across_ranks(table[:, col], name)
         if src is None:
-            _same(table[:, 2], "q (pass the same queries on every rank, or src=rank to broadcast one rank's)")
-            _same(table[:, 3:5], "allow")
+            same_across_ranks(table[:, 2], "q (pass the same queries on every rank, or src=rank to broadcast one rank's)")
+            same_across_ranks(table[:, 3:5], "allow")
             local_q = q
         else:
             nq, alen, kind = (int(v) for v in table[src, [0, 3, 8]])
@@ -416,12 +418,12 @@ class ShardedIndex:
         try:
             src = self._check_rank(src, "src")
             if src is None or self.rank == src:
-                ids = _id_array(ids, "ids")
+                ids = id_array(ids, "ids")
                 n, dig = len(ids), digest(ids)
         except (ValueError, TypeError) as e:
             error, src = e, None
         table = self._comm.agree("remove", [n, dig, -1 if src is None else src], error)
-        _same(table[:, 2], "src")
+        same_across_ranks(table[:, 2], "src")
         if src is not None:
             got = torch.from_numpy(ids) if self.rank == src else torch.empty(int(table[src, 0]), dtype=torch.int64)
             ids = self._comm.broadcast(got, src, "ShardedIndex remove_ids").cpu().numpy()
@@ -457,7 +459,7 @@ class ShardedIndex:
         except (ValueError, TypeError) as e:
             error, src = e, -1
         table = self._comm.agree("train", [src], error)
-        _same(table[:, 0], "src")
+        same_across_ranks(table[:, 0], "src")
         if not isinstance(self.local, IVFIndex):
             return
         nlist = self.local.nlist
@@ -536,99 +538,3 @@ class ShardedIndex:
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or not 0 <= value < self.world_size:
             raise ValueError(f"{name} must be None or a rank in [0, {self.world_size}), got {value!r}")
         return int(value)
-
-
-def broadcast_encoder(encoder: Encoder | None, src: int = 0, group: Any = None,
-                      timeout: float | None = None) -> Encoder:
-    """Rank ``src``'s encoder (configuration and tensors: a learned encoder such as TurboQuantPCA after
-    training on one rank) rebuilt on every rank (collective; ``encoder`` is ignored elsewhere). Build
-    each rank's local index from the returned encoder, then shard it."""
-    comm = Comm(group, timeout)
-    if not isinstance(src, (int, np.integer)) or isinstance(src, bool) or not 0 <= src < comm.world_size:
-        raise ValueError(f"src must be a rank in [0, {comm.world_size}), got {src!r}")
-    error, meta, data = None, b"", b""
-    if comm.rank == src:
-        try:
-            if not isinstance(encoder, Encoder):
-                raise TypeError(f"encoder must be a tqindex Encoder on rank {src}, got {type(encoder).__name__}")
-            arrays = {name: t.detach().cpu().contiguous().numpy() for name, t in sorted(encoder.tensors().items())}
-            meta = json.dumps({"config": encoder_config(encoder),
-                               "tensors": [[name, a.dtype.str, list(a.shape)] for name, a in arrays.items()]}).encode()
-            data = b"".join(a.tobytes() for a in arrays.values())
-        except Exception as e:
-            error = e
-    comm.agree("encoder", [], error)
-    info = json.loads(comm.broadcast_bytes(meta, src, "broadcast_encoder (configuration)"))
-    data = comm.broadcast_bytes(data, src, "broadcast_encoder (tensors)")
-    tensors, offset = {}, 0
-    for name, dtype, shape in info["tensors"]:
-        a = np.frombuffer(data, dtype=np.dtype(dtype), count=int(np.prod(shape)), offset=offset).reshape(shape)
-        tensors[name] = torch.from_numpy(a.copy())
-        offset += a.nbytes
-    return encoder_from_dict(info["config"], tensors)
-
-
-# --------------------------------------------------------------------------------------------------
-# input checks (local; the callers turn their errors into collective ones)
-
-
-def _same(values: np.ndarray, name: str) -> None:
-    """ValueError unless every rank's row of ``values`` [world, ...] is equal (raised alike on every rank)."""
-    if (values != values[0]).any():
-        shown = ", ".join(f"rank {r}: {v.tolist()}" for r, v in enumerate(values))
-        raise ValueError(f"{name} differs across ranks ({shown}): every rank must pass the same")
-
-
-def _check_count(value: Any, name: str, minimum: int = 0) -> int:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
-
-
-def _rows(x: Any, dim: int, name: str, allow_empty: bool = True, allow_none: bool = True) -> int:
-    """Rows of vectors x [n, dim] (numpy or torch, floating; None: 0 rows where ``allow_none``)."""
-    if x is None and allow_none:
-        return 0
-    if not isinstance(x, (np.ndarray, Tensor)):
-        raise TypeError(f"{name} must be a numpy array or torch tensor{' or None' if allow_none else ''}, "
-                        f"got {type(x).__name__}")
-    floating = np.issubdtype(x.dtype, np.floating) if isinstance(x, np.ndarray) else x.is_floating_point()
-    if not floating:
-        raise TypeError(f"{name} must hold floating-point values, got dtype {x.dtype}")
-    if x.ndim != 2 or x.shape[1] != dim:
-        raise ValueError(f"{name} must have shape [n, {dim}] (dim={dim}), got {tuple(x.shape)}")
-    if not allow_empty and x.shape[0] == 0:
-        raise ValueError(f"{name} is empty")
-    return int(x.shape[0])
-
-
-def _id_array(ids: Any, name: str, n: int | None = None) -> np.ndarray:
-    """ids (numpy, torch or a sequence of integers) -> int64 [m] ids >= 0; with ``n``: exactly n, distinct."""
-    a = ids.detach().cpu().numpy() if isinstance(ids, Tensor) else np.asarray(ids)
-    if a.size == 0:
-        a = a.astype(np.int64)
-    if a.dtype.kind not in "iu":
-        raise TypeError(f"{name} must hold integers (int64 ids), got dtype {a.dtype}")
-    if a.ndim != 1:
-        raise ValueError(f"{name} must be a 1-D array of ids, got shape {a.shape}")
-    if a.size and (int(a.min()) < 0 or int(a.max()) > np.iinfo(np.int64).max):
-        raise ValueError(f"{name} must be in [0, 2**63), got values in [{a.min()}, {a.max()}]")
-    a = a.astype(np.int64)
-    if n is not None:
-        if len(a) != n:
-            raise ValueError(f"{name} must hold one id per vector ({n}), got {len(a)}")
-        if len(np.unique(a)) != n:
-            raise ValueError(f"{name} must be distinct")
-    return a
-
-
-def _float32(x: Any) -> Tensor:
-    """Vectors (numpy or torch) as a contiguous float32 tensor (on x's device)."""
-    if isinstance(x, np.ndarray):
-        return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
-    return x.detach().float().contiguous()
-
-
-def _pad(t: Tensor, rows: int) -> Tensor:
-    """t [m, ...] with zero rows appended up to ``rows``."""
-    return torch.cat([t, t.new_zeros(rows - len(t), *t.shape[1:])]) if len(t) < rows else t
