@@ -4,7 +4,8 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from transformers import DynamicCache, Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from tiny import CACHE_KW, compressed_layers, forward, generate, llama_config, prompt, seeded, tq8  # noqa: E402
+from transformers import DynamicCache, Gemma2Config, Gemma2ForCausalLM, LlamaForCausalLM  # noqa: E402
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer  # noqa: E402
 
 import tqindex as tq  # noqa: E402
@@ -12,73 +13,44 @@ from tqindex.kv import CompressedTokens, TQCache  # noqa: E402
 from tqindex.kv.hf import ATTN_IMPLEMENTATION, TQLayer  # noqa: E402
 
 torch.set_num_threads(1)
-VOCAB = 128
 NEW_TOKENS = 20
-
-
-def _seeded(model_cls, config):
-    torch.manual_seed(0)
-    return model_cls(config).eval()
 
 
 @pytest.fixture(scope="module")
 def llama():
     """Tiny random Llama with GQA (4 query heads, 2 KV heads, head_dim 32)."""
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=None,
-    )  # fmt: skip
-    return _seeded(LlamaForCausalLM, config)
+    return seeded(LlamaForCausalLM, llama_config())
 
 
 @pytest.fixture(scope="module")
 def gemma2():
     """Tiny random Gemma2: alternating sliding-window (8 tokens) and full layers, soft-capped scores."""
     config = Gemma2Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, sliding_window=8, initializer_range=0.1, pad_token_id=0,
         eos_token_id=None,
     )  # fmt: skip
-    return _seeded(Gemma2ForCausalLM, config)
-
-
-def _prompt(batch: int = 1, length: int = 12, seed: int = 1) -> torch.Tensor:
-    return torch.randint(2, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def _tq8(model, **kw) -> TQCache:
-    return TQCache(model.config, "tq8", "tq8", **{"residual_length": 4, "protected_layers": 1, **kw})
-
-
-def _generate(model, cache, impl: str = ATTN_IMPLEMENTATION, seed: int | None = None, **kw) -> torch.Tensor:
-    model.set_attn_implementation(impl)
-    if seed is not None:
-        torch.manual_seed(seed)
-    kw = {"max_new_tokens": NEW_TOKENS, "do_sample": False, **kw}
-    return model.generate(cache=cache, **kw)
-
-
-def _compressed_layers(cache: TQCache) -> list[TQLayer]:
-    return [layer for layer in cache.layers if isinstance(layer, TQLayer)]
+    return seeded(Gemma2ForCausalLM, config)
 
 
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
 @pytest.mark.parametrize("impl", [ATTN_IMPLEMENTATION, "sdpa"])
 def test_greedy_matches_dynamic_cache(llama, impl):
-    ids = _prompt()
-    expected = _generate(llama, DynamicCache(config=llama.config), "sdpa", input_ids=ids)
-    cache = _tq8(llama)
-    out = _generate(llama, cache, impl, input_ids=ids)
+    ids = prompt()
+    expected = generate(llama, DynamicCache(config=llama.config), "sdpa", input_ids=ids)
+    cache = tq8(llama)
+    out = generate(llama, cache, impl, input_ids=ids)
     assert torch.equal(out, expected)
-    legacy = llama.generate(input_ids=ids, past_key_values=_tq8(llama), max_new_tokens=NEW_TOKENS, do_sample=False)
-    assert torch.equal(legacy, expected)
+    if CACHE_KW == "cache":  # the older name still works
+        legacy = llama.generate(input_ids=ids, past_key_values=tq8(llama), max_new_tokens=NEW_TOKENS, do_sample=False)
+        assert torch.equal(legacy, expected)
     assert [type(layer) for layer in cache.layers] == [DynamicLayer, TQLayer, TQLayer, DynamicLayer]
-    assert all(layer.store.compressed_length > 0 for layer in _compressed_layers(cache))
+    assert all(layer.store.compressed_length > 0 for layer in compressed_layers(cache))
     assert cache.get_seq_length() == out.shape[1] - 1
 
 
 def test_update_returns_codes_only_for_tqindex_attention(llama):
-    cache = _tq8(llama, protected_layers=0)
+    cache = tq8(llama, protected_layers=0)
     k = torch.randn(1, 2, 3, 32)
     llama.set_attn_implementation(ATTN_IMPLEMENTATION)
     keys, values = cache.update(k, k, 0)
@@ -95,7 +67,7 @@ def test_compressed_attention_logits_equal_decode_then_sdpa(llama, encoders, res
 
     Identical contents matter: two independent runs can drift apart, as float-rounding differences between
     the attention paths flip quantization decisions of the keys/values written later."""
-    tokens = _prompt(length=30, seed=2)
+    tokens = prompt(length=30, seed=2)
     cache = TQCache(llama.config, *encoders, residual_length=residual, protected_layers=0)
     chunks = [(0, 8)] + [(t, t + 1) for t in range(8, 20)] + [(20, 24), (24, 25), (25, 30)]
     for t0, t1 in chunks:
@@ -103,63 +75,62 @@ def test_compressed_attention_logits_equal_decode_then_sdpa(llama, encoders, res
         for impl, c in (("sdpa", copy.deepcopy(cache)), (ATTN_IMPLEMENTATION, cache)):
             llama.set_attn_implementation(impl)
             with torch.no_grad():
-                logits[impl] = llama(tokens[:, t0:t1], cache=c, use_cache=True).logits
+                logits[impl] = forward(llama, tokens[:, t0:t1], c).logits
         torch.testing.assert_close(logits[ATTN_IMPLEMENTATION], logits["sdpa"], rtol=1e-5, atol=1e-5)
     assert cache.layers[0].store.compressed_length == 30 - 5 - residual
 
 
 def test_deepcopy_shares_encoders_and_config(llama):
-    cache = _tq8(llama)
-    _generate(llama, cache, input_ids=_prompt(), max_new_tokens=3)
+    cache = tq8(llama)
+    generate(llama, cache, input_ids=prompt(), max_new_tokens=3)
     clone = copy.deepcopy(cache)
-    layer, cloned = _compressed_layers(cache)[0], _compressed_layers(clone)[0]
+    layer, cloned = compressed_layers(cache)[0], compressed_layers(clone)[0]
     assert cloned.config is llama.config and cloned.store.key_encoder is layer.store.key_encoder
     assert cloned.store is not layer.store and clone.get_seq_length() == cache.get_seq_length()
     assert torch.equal(cloned.store.materialize()[0], layer.store.materialize()[0])
 
 
 def test_sampling_with_seed_and_num_return_sequences(llama):
-    kw = {"input_ids": _prompt(), "do_sample": True, "num_return_sequences": 3}
-    out = _generate(llama, _tq8(llama), seed=5, **kw)
+    kw = {"input_ids": prompt(), "do_sample": True, "num_return_sequences": 3}
+    out = generate(llama, tq8(llama), seed=5, **kw)
     assert out.shape == (3, 12 + NEW_TOKENS)
-    assert torch.equal(out, _generate(llama, _tq8(llama), seed=5, **kw))
-    assert not torch.equal(out, _generate(llama, _tq8(llama), seed=6, **kw))
+    assert torch.equal(out, generate(llama, tq8(llama), seed=5, **kw))
+    assert not torch.equal(out, generate(llama, tq8(llama), seed=6, **kw))
     # the first new token comes from the full-precision prefill: the same draw as with DynamicCache
-    expected = _generate(llama, DynamicCache(config=llama.config), "sdpa", seed=5, **kw)
+    expected = generate(llama, DynamicCache(config=llama.config), "sdpa", seed=5, **kw)
     assert torch.equal(out[:, : 12 + 1], expected[:, : 12 + 1])
 
 
 @pytest.mark.parametrize("sample", [False, True])
 def test_beam_search_and_num_return_sequences(llama, sample):
-    ids = _prompt(batch=2)
+    ids = prompt(batch=2)
     kw = {"input_ids": ids, "num_beams": 3, "num_return_sequences": 2, "do_sample": sample, "max_new_tokens": 12}
-    expected = _generate(llama, DynamicCache(config=llama.config), "sdpa", seed=3, **kw)
-    cache = _tq8(llama)
-    out = _generate(llama, cache, seed=3, **kw)
+    expected = generate(llama, DynamicCache(config=llama.config), "sdpa", seed=3, **kw)
+    cache = tq8(llama)
+    out = generate(llama, cache, seed=3, **kw)
     assert out.shape == (4, 24) and torch.equal(out, expected)
 
 
 def test_batch_with_left_padding(llama):
-    ids = _prompt(batch=2)
+    ids = prompt(batch=2)
     ids[0, :5] = 0
     mask = (ids != 0).long()
-    expected = _generate(llama, DynamicCache(config=llama.config), "sdpa", input_ids=ids, attention_mask=mask)
-    cache = _tq8(llama)
-    out = _generate(llama, cache, input_ids=ids, attention_mask=mask)
+    expected = generate(llama, DynamicCache(config=llama.config), "sdpa", input_ids=ids, attention_mask=mask)
+    cache = tq8(llama)
+    out = generate(llama, cache, input_ids=ids, attention_mask=mask)
     assert torch.equal(out, expected)
-    alone = _generate(llama, _tq8(llama), input_ids=ids[:1, 5:])  # the padded row, without padding
+    alone = generate(llama, tq8(llama), input_ids=ids[:1, 5:])  # the padded row, without padding
     assert torch.equal(out[0, 12:], alone[0, 7:])
-    keys, _ = _compressed_layers(cache)[0].store.materialize()
+    keys, _ = compressed_layers(cache)[0].store.materialize()
     cache.batch_select_indices(torch.tensor([1]))
-    assert torch.equal(_compressed_layers(cache)[0].store.materialize()[0], keys[1:])
+    assert torch.equal(compressed_layers(cache)[0].store.materialize()[0], keys[1:])
 
 
 def _forward_loop(model, cache, ids: torch.Tensor, steps: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Greedy decoding by hand; returns the tokens and the logits of every step."""
     tokens, all_logits, step_input = ids, [], ids
     for _ in range(steps):
-        with torch.no_grad():
-            logits = model(step_input, cache=cache, use_cache=True).logits[:, -1]
+        logits = forward(model, step_input, cache).logits[:, -1]
         all_logits.append(logits)
         step_input = logits.argmax(-1, keepdim=True)
         tokens = torch.cat([tokens, step_input], dim=1)
@@ -168,28 +139,26 @@ def _forward_loop(model, cache, ids: torch.Tensor, steps: int) -> tuple[torch.Te
 
 
 def test_forward_loop(llama):
-    ids = _prompt()
+    ids = prompt()
     llama.set_attn_implementation("sdpa")
     expected, expected_logits = _forward_loop(llama, DynamicCache(config=llama.config), ids, NEW_TOKENS)
     llama.set_attn_implementation(ATTN_IMPLEMENTATION)
-    tokens, logits = _forward_loop(llama, _tq8(llama), ids, NEW_TOKENS)
+    tokens, logits = _forward_loop(llama, tq8(llama), ids, NEW_TOKENS)
     assert torch.equal(tokens, expected)
     torch.testing.assert_close(torch.stack(logits), torch.stack(expected_logits), rtol=0, atol=2e-2)
 
 
 def test_crop_then_continue(llama):
-    ids = _prompt()
-    dense, cache = DynamicCache(config=llama.config), _tq8(llama)
-    out = _generate(llama, dense, "sdpa", input_ids=ids)
-    assert torch.equal(_generate(llama, cache, input_ids=ids), out)
+    ids = prompt()
+    dense, cache = DynamicCache(config=llama.config), tq8(llama)
+    out = generate(llama, dense, "sdpa", input_ids=ids)
+    assert torch.equal(generate(llama, cache, input_ids=ids), out)
     for c in (dense, cache):
         c.crop(-9)  # beyond the full-precision window: into the codes
         assert c.get_seq_length() == out.shape[1] - 10
-    assert _compressed_layers(cache)[0].store.window_length == 0
-    with pytest.raises(ValueError, match="<= 0"):
-        _compressed_layers(cache)[0].crop(3)
+    assert compressed_layers(cache)[0].store.window_length == 0
     resumed = out[:, : out.shape[1] - 9]
-    assert torch.equal(_generate(llama, cache, input_ids=resumed), _generate(llama, dense, "sdpa", input_ids=resumed))
+    assert torch.equal(generate(llama, cache, input_ids=resumed), generate(llama, dense, "sdpa", input_ids=resumed))
 
 
 def test_second_generate_on_same_cache(llama):
@@ -197,29 +166,29 @@ def test_second_generate_on_same_cache(llama):
     turn follows the exact model's greedy tokens up to the first near tie (top-2 logits within 0.01),
     where 8-bit codes may pick either."""
     outputs = []
-    for cache, impl in ((DynamicCache(config=llama.config), "sdpa"), (_tq8(llama), ATTN_IMPLEMENTATION)):
-        first = _generate(llama, cache, impl, input_ids=_prompt())
-        second_prompt = torch.cat([first, _prompt(length=6, seed=9)], dim=1)
-        second = _generate(llama, cache, impl, input_ids=second_prompt, output_scores=True, return_dict_in_generate=True)
+    for cache, impl in ((DynamicCache(config=llama.config), "sdpa"), (tq8(llama), ATTN_IMPLEMENTATION)):
+        first = generate(llama, cache, impl, input_ids=prompt())
+        second_prompt = torch.cat([first, prompt(length=6, seed=9)], dim=1)
+        second = generate(llama, cache, impl, input_ids=second_prompt, output_scores=True, return_dict_in_generate=True)
         assert cache.get_seq_length() == second.sequences.shape[1] - 1
         outputs.append((second_prompt, second))
-    (exact_prompt, exact), (prompt, got) = outputs
-    assert torch.equal(prompt, exact_prompt)
+    (exact_prompt, exact), (second_prompt, got) = outputs
+    assert torch.equal(second_prompt, exact_prompt)
     gaps = [float(top[0, 0] - top[0, 1]) for top in (s.topk(2).values for s in exact.scores)]
     clear = next((i for i, g in enumerate(gaps) if g < 0.01), len(gaps))
     assert clear >= 8  # enough tokens to compare
-    n = prompt.shape[1] + clear
+    n = second_prompt.shape[1] + clear
     assert torch.equal(got.sequences[:, :n], exact.sequences[:, :n])
 
 
 def test_sliding_window_layers_stay_dense(gemma2):
-    ids = _prompt()
-    expected = _generate(gemma2, DynamicCache(config=gemma2.config), "eager", input_ids=ids)
+    ids = prompt()
+    expected = generate(gemma2, DynamicCache(config=gemma2.config), "eager", input_ids=ids)
     cache = TQCache(gemma2.config, "tq8", "tq8", residual_length=4, protected_layers=1)
     assert [type(layer) for layer in cache.layers] == [
         DynamicSlidingWindowLayer, TQLayer, DynamicSlidingWindowLayer, TQLayer, DynamicSlidingWindowLayer, DynamicLayer,
     ]  # fmt: skip
-    out = _generate(gemma2, cache, input_ids=ids)
+    out = generate(gemma2, cache, input_ids=ids)
     assert torch.equal(out, expected)
     assert cache.get_seq_length() == out.shape[1] - 1
     assert cache.layers[0].keys.shape[2] < cache.get_seq_length()  # sliding layers keep their window only
@@ -229,7 +198,7 @@ def test_memory_accounting(llama):
     model = llama.to(torch.bfloat16)
     try:
         cache = TQCache(model.config, "tq8", "tq4", residual_length=4, protected_layers=1)
-        _generate(model, cache, input_ids=_prompt(batch=2))
+        generate(model, cache, input_ids=prompt(batch=2))
     finally:
         llama.to(torch.float32)
     k_size, v_size = tq.make_encoder("tq8", 32).code_size, tq.make_encoder("tq4", 32).code_size
@@ -244,7 +213,7 @@ def test_memory_accounting(llama):
             assert layer.nbytes_dense() == 2 * 2 * 2 * store.seq_length * 32 * 2
         else:
             dense_protected += 2 * (layer.keys.numel() + layer.values.numel())
-    tq_layers = _compressed_layers(cache)
+    tq_layers = compressed_layers(cache)
     codes, tokens = cache.nbytes_compressed()
     assert tokens == 2 * sum(layer.store.compressed_length for layer in tq_layers) > 0  # B = 2
     assert codes == tokens * 2 * (k_size + v_size)  # 2 KV heads
@@ -255,18 +224,18 @@ def test_memory_accounting(llama):
 
 def test_presets_and_validation(llama):
     cache = TQCache.preset(llama.config, "k8v4", residual_length=16, protected_layers=1)
-    layer = _compressed_layers(cache)[0]
+    layer = compressed_layers(cache)[0]
     assert layer.store.key_encoder.bits == 8 and layer.store.value_encoder.bits == 4
     assert layer.store.residual_length == 16
     fp4 = TQCache.preset(llama.config, "fp4", protected_layers=1)
-    assert isinstance(_compressed_layers(fp4)[0].store.key_encoder, tq.FP4UE8M0)
-    assert _compressed_layers(TQCache.preset(llama.config, "k2v2", protected_layers=0))[0].store.value_encoder.bits == 2
-    assert not _compressed_layers(TQCache(llama.config, protected_layers=2))  # 4 layers: all protected
-    assert len(_compressed_layers(TQCache(llama.config, tq.make_encoder("tq4", 32), "tq2", protected_layers=0))) == 4
+    assert isinstance(compressed_layers(fp4)[0].store.key_encoder, tq.FP4UE8M0)
+    assert compressed_layers(TQCache.preset(llama.config, "k2v2", protected_layers=0))[0].store.value_encoder.bits == 2
+    assert not compressed_layers(TQCache(llama.config, protected_layers=2))  # 4 layers: all protected
+    assert len(compressed_layers(TQCache(llama.config, tq.make_encoder("tq4", 32), "tq2", protected_layers=0))) == 4
     for bad in ("k5v4", "q4", 4):
         with pytest.raises(ValueError, match="preset must be"):
             TQCache.preset(llama.config, bad)
-    with pytest.raises(ValueError, match="head_dim is 32"):
+    with pytest.raises(ValueError, match="head dim is 32"):
         TQCache(llama.config, tq.make_encoder("tq4", 64))
     with pytest.raises(TypeError, match="value_encoder"):
         TQCache(llama.config, "tq4", 4)
@@ -276,3 +245,11 @@ def test_presets_and_validation(llama):
         TQCache(llama.config, protected_layers=-1)
     with pytest.raises(TypeError, match="config"):
         TQCache({"num_hidden_layers": 4})
+    with pytest.raises(ValueError, match="residual_length"):
+        TQCache(llama.config, residual_length=-1)
+    with pytest.raises(TypeError, match="offloading"):
+        TQCache(llama.config, offloading=1)
+    with pytest.raises(TypeError, match=r"ddp_cache_data\[0\]"):
+        TQCache([(torch.zeros(1, 2, 3, 32),)])  # keys without values
+    with pytest.raises(TypeError, match="config"):
+        TQCache([], ddp_cache_data=[])  # ddp data twice

@@ -76,13 +76,20 @@ def test_amortized_appends_double_capacity():
 
 def test_codes_buffer_keeps_contents_across_growth():
     enc = tq.make_encoder("tq4", D)
-    x = _tokens(40)
+    x = _tokens(700)
     codes = enc.encode(x)
-    buf = CodesBuffer(codes, B, H)
-    for t0 in range(0, 40, 7):
+    buf = CodesBuffer(codes.empty_like(B, H, 0))
+    for t0 in range(0, 700, 7):
         buf.append(codes[:, :, t0 : t0 + 7])
-    assert buf.length == 40
+        assert buf.length < buf.capacity  # a spare token: the valid view never spans the whole buffer
+    assert (buf.length, buf.reallocations) == (700, 3)  # capacity 0 -> 256 -> 512 -> 1024
     assert torch.equal(buf.view().qdata, codes.qdata) and torch.equal(buf.view().norm, codes.norm)
+    wrapped = CodesBuffer(codes, 700)  # a full buffer of given codes
+    assert wrapped.capacity == wrapped.length == 700
+    wrapped.append(codes[:, :, :1])
+    assert wrapped.capacity == 1400 and torch.equal(wrapped.view()[:, :, :700].qdata, codes.qdata)
+    with pytest.raises(ValueError, match="length"):
+        CodesBuffer(codes, 701)
 
 
 def test_crop_into_window_and_into_codes():
@@ -161,7 +168,7 @@ def test_kv_package_imports_without_transformers(monkeypatch):
     import tqindex
 
     monkeypatch.setattr(tqindex, "kv", tqindex.kv)  # restored after the fresh import below
-    for name in [n for n in sys.modules if n.startswith("tqindex.kv")]:
+    for name in ("tqindex.kv", "tqindex.kv.hf"):  # store and attention stay: they never import transformers
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "transformers", None)  # importing transformers now fails
     kv = importlib.import_module("tqindex.kv")

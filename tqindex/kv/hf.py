@@ -1,51 +1,58 @@
 """Hugging Face transformers integration: :class:`TQCache`, its :class:`TQLayer` and the "tqindex" attention.
 
-``TQCache(model.config, ...)`` builds one cache layer per decoder layer, as ``DynamicCache(config=...)``
-does: full-attention layers become :class:`TQLayer` (keys/values in a :class:`~tqindex.kv.store.KVStore`),
-except the first and last ``protected_layers`` attention layers, which stay plain ``DynamicLayer``;
-sliding-window, chunked, linear and other layer types keep transformers' own layer classes.
+``TQCache`` is a ``DynamicCache`` whose full-attention layers are :class:`TQLayer` (keys/values in a
+:class:`~tqindex.kv.store.KVStore`): ``TQCache(model.config, ...)`` builds the layers ``DynamicCache(config=...)``
+builds and compresses the full-attention ones, except the first and last ``protected_layers`` attention
+layers; sliding-window, chunked, linear and other layer types keep transformers' own classes.
+``TQCache()`` without a config adds layers as they are first updated, as ``DynamicCache()`` does.
 
 Two attention modes, chosen per call from the model's ``config._attn_implementation``:
 
 - ``"tqindex"`` (``model.set_attn_implementation("tqindex")`` or ``attn_implementation="tqindex"`` at
   load; importing this module registers it): a ``TQLayer`` hands :class:`CompressedTokens` to
   :func:`tq_attention_forward`, which attends from the codes (:func:`compressed_attention`); plain
-  tensors from other layers and caches go to transformers' sdpa.
+  tensors from other layers and caches go to transformers' sdpa. Inside ``torch.compile`` or
+  ``torch.export`` it attends over the decoded codes instead (:func:`compressed_attention_ref`, the same
+  result up to float rounding), since the codes path reads the queries on the host.
 - any other implementation: a ``TQLayer`` returns the decoded keys/values as dense tensors, so every
   attention implementation works, at the cost of decoding the whole history at every step.
+
+Importing this module also registers ``TQCache`` with ``torch.utils._pytree`` (its leaves are the codes'
+planes and the windows), so ``torch.export`` takes a TQCache as an input or output. Tested with
+transformers 5.0 (the oldest release the ``kv`` extra allows) and the newest 5.x release.
 """
 
 from __future__ import annotations
 
-import re
 from copy import deepcopy
-from typing import Any
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Iterable
 
 import torch
 from torch import Tensor
+from torch.utils import _pytree as pytree
 from transformers import AttentionInterface, PreTrainedConfig
-from transformers.cache_utils import (
-    DYNAMIC_LAYER_TYPE_MAPPING,
-    Cache,
-    CacheLayerMixin,
-    get_layer_types_and_kwargs,
-)
+from transformers.cache_utils import CacheLayerMixin, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.utils import logging
 
-from ..encoder import Encoder, make_encoder
+from ..checks import check_bool, check_int
+from ..encoder import Encoder, encoder_names, make_encoder
 from ..turboquant import MSE_BITS
-from .attention import compressed_attention, dense_attention
-from .store import CompressedTokens, KVStore
+from .attention import compressed_attention, compressed_attention_ref, dense_attention
+from .store import CompressedTokens, KVStore, encoder_from_key, encoder_key
 
 ATTN_IMPLEMENTATION = "tqindex"
 """Name of the attention implementation registered with transformers."""
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
-"""Layer types counted as attention layers for ``protected_layers``."""
-_PRESET = re.compile(r"k(\d)v(\d)")
-
+PRESETS = "'fp4' or 'k{a}v{b}'"
 logger = logging.get_logger(__name__)
+
+
+def _tracing() -> bool:
+    """Whether torch.compile or torch.export is tracing the calling code."""
+    return torch.compiler.is_compiling() or torch.compiler.is_exporting()
 
 
 def tq_attention_forward(
@@ -70,7 +77,8 @@ def tq_attention_forward(
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     if isinstance(key, CompressedTokens):
         if key.codes.shape[2] > 0:
-            out = compressed_attention(query, key, value, attention_mask, scaling, softcap=softcap, causal=causal)
+            attend = compressed_attention_ref if _tracing() else compressed_attention
+            out = attend(query, key, value, attention_mask, scaling, softcap=softcap, causal=causal)
             return out.transpose(1, 2).contiguous(), None
         key, value = key.window, value.window  # nothing compressed yet (prefill): all full precision
     if softcap is None:
@@ -89,31 +97,50 @@ class TQLayer(CacheLayerMixin):
     """A compressed full-attention cache layer: a :class:`KVStore` behind transformers' layer interface.
 
     ``update`` returns :class:`CompressedTokens` when ``config._attn_implementation == "tqindex"``,
-    else the decoded keys/values [B, H, T, D] in the dtype of the incoming states. ``crop`` removes
-    tokens exactly; tokens that had already left the full-precision window stay compressed.
+    else the decoded keys/values [B, H, T, D] in the dtype of the incoming states. ``keys`` / ``values``
+    are decoded on demand (read-only). ``crop`` removes tokens exactly; tokens that had already left the
+    full-precision window stay compressed. ``offload`` / ``prefetch`` move the codes and the window, never
+    decoded tensors.
     """
 
     is_sliding = False
     is_croppable = True
 
     def __init__(
-        self, key_encoder: Encoder, value_encoder: Encoder, residual_length: int, config: PreTrainedConfig
+        self, key_encoder: Encoder, value_encoder: Encoder, residual_length: int, config: PreTrainedConfig | None = None
     ) -> None:
-        super().__init__()
+        # CacheLayerMixin.__init__ is not called: it assigns ``keys`` / ``values``, which are read-only here.
+        self.is_initialized = False
         self.store = KVStore(key_encoder, value_encoder, residual_length)
         self.config = config
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "TQLayer":
         """Copy the stored tokens; the copy shares the encoders and follows the same model config."""
-        for shared in (self.config, self.store.key_encoder, self.store.value_encoder):
-            memo.setdefault(id(shared), shared)
-        copy = object.__new__(type(self))
-        memo[id(self)] = copy
-        copy.__dict__.update(deepcopy(self.__dict__, memo))
-        return copy
+        return _deepcopy_sharing(self, memo, (self.config, self.store.key_encoder, self.store.value_encoder))
+
+    @property
+    def keys(self) -> Tensor | None:
+        """Keys [B, H, T, Dk] in the dtype of the incoming states, None before the first update. Decoded on
+        every access (codes, then the window): O(B·H·T·Dk) time and a dense copy in memory."""
+        return self.store.view()[0].materialize() if self.is_initialized else None
+
+    @property
+    def values(self) -> Tensor | None:
+        """Values [B, H, T, Dv], decoded on every access as :attr:`keys`."""
+        return self.store.view()[1].materialize() if self.is_initialized else None
+
+    @keys.setter
+    def keys(self, _: Any) -> None:
+        raise AttributeError(_READ_ONLY)
+
+    @values.setter
+    def values(self, _: Any) -> None:
+        raise AttributeError(_READ_ONLY)
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        """Start an empty store on the device of key_states [B, H, T, Dk] (nothing of them is stored)."""
         self.device = key_states.device
+        self.store.append(key_states[:, :, :0], value_states[:, :, :0])
         self.is_initialized = True
 
     def update(
@@ -123,16 +150,17 @@ class TQLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.store.append(key_states, value_states)
-        if self.config._attn_implementation == ATTN_IMPLEMENTATION:
+        if getattr(self.config, "_attn_implementation", None) == ATTN_IMPLEMENTATION:
             return self.store.view()
-        logger.warning_once(
-            f"TQCache decodes its compressed keys/values for {self.config._attn_implementation!r} attention at every "
-            f"step; call model.set_attn_implementation({ATTN_IMPLEMENTATION!r}) to attend from the codes."
-        )
+        if not _tracing():
+            logger.warning_once(_decoding_warning(self.config))
         return self.store.materialize(key_states.dtype)
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        """(kv_length, kv_offset) of the next attention call, for the mask."""
+    def get_mask_sizes(self, query_length: int | Tensor) -> tuple[int, int]:
+        """(kv_length, kv_offset) of the next attention call, for the mask. ``query_length``: the number of
+        new tokens (transformers >= 5.3 passes it; older releases pass ``cache_position`` [Q])."""
+        if isinstance(query_length, Tensor):
+            query_length = query_length.shape[0]
         return self.get_seq_length() + query_length, 0
 
     def get_seq_length(self) -> int:
@@ -141,15 +169,16 @@ class TQLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
+    get_max_cache_shape = get_max_length  # its name before transformers 5.3
+
     def reset(self) -> None:
         self.store = KVStore(self.store.key_encoder, self.store.value_encoder, self.store.residual_length)
         self.is_initialized = False
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last ``-tokens_to_remove`` tokens (a count <= 0, as for ``DynamicLayer``)."""
-        if tokens_to_remove > 0:
-            raise ValueError(f"crop takes a number of tokens to remove <= 0 (e.g. -3), got {tokens_to_remove}")
-        self.store.crop(max(0, self.store.seq_length + tokens_to_remove))
+        """Remove tokens as ``DynamicLayer.crop`` of the installed transformers does (a negative count
+        removes that many; the meaning of 0 and positive values changed within 5.x)."""
+        self.store.crop(_dynamic_crop_length(self.get_seq_length(), tokens_to_remove))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.store.select(beam_idx)
@@ -159,6 +188,16 @@ class TQLayer(CacheLayerMixin):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self.store.repeat_interleave(repeats)
+
+    def offload(self) -> None:
+        """Move the codes and the window to the CPU (non-blocking)."""
+        if self.is_initialized:
+            self.store.to("cpu", non_blocking=True)
+
+    def prefetch(self) -> None:
+        """Move offloaded codes and window back to the layer's device (non-blocking)."""
+        if self.is_initialized and self.store.device != self.device:
+            self.store.to(self.device, non_blocking=True)
 
     def nbytes(self) -> int:
         """Bytes held (codes + full-precision window)."""
@@ -173,55 +212,181 @@ class TQLayer(CacheLayerMixin):
         return self.store.nbytes_compressed()
 
 
-class TQCache(Cache):
-    """transformers Cache whose full-attention layers hold keys/values as tqindex codes.
+_READ_ONLY = (
+    "TQLayer.keys and .values are decoded from the codes on demand and cannot be assigned; edit the cache "
+    "with crop / batch_select_indices / reorder_cache, or build one from tensors with TQCache(ddp_cache_data=...)"
+)
 
-    config: the model's config object (``model.config``: the attention mode follows its
-    ``_attn_implementation``, see the module docstring); key_encoder / value_encoder: encoder names for
-    :func:`~tqindex.make_encoder` ("tq4", "tq8", "fp4", ...) or Encoder objects of dim head_dim;
+
+class TQCache(DynamicCache):
+    """A ``DynamicCache`` whose full-attention layers hold keys/values as tqindex codes.
+
+    config: the model's config (``model.config``; the attention mode follows its ``_attn_implementation``,
+    see the module docstring), or None to add layers as they are first updated. As ``DynamicCache``'s first
+    argument it may also be ``ddp_cache_data``. key_encoder / value_encoder: encoder names for
+    :func:`~tqindex.make_encoder` ("tq4", "tq8", "fp4", ...) or Encoder objects of the head dim;
     residual_length: recent tokens kept in full precision; protected_layers: first and last attention
-    layers kept entirely in full precision.
+    layers kept entirely in full precision; ddp_cache_data: per-layer ``(keys, values[, sliding window
+    tensor])`` to start from (``DataParallel`` gathers caches this way); offloading,
+    offload_only_non_sliding: as for ``DynamicCache``.
+
+    Where it differs from ``DynamicCache``, deliberately:
+
+    - ``layers[i].keys`` / ``.values`` of a compressed layer are decoded on every access (see
+      :class:`TQLayer`); to inspect memory use :meth:`nbytes`.
+    - Layers whose key or value head dim is below 2 stay ``DynamicLayer`` (encoders need dim >= 2, and a
+      1-d vector has nothing to compress).
+    - Without a config the model's layer count is learned at the first update of an already-seen layer
+      (the second forward pass); the last ``protected_layers`` layers are then turned into
+      ``DynamicLayer``: exact, as no layer compresses anything before its second update. Without a config
+      the attention implementation is unknown too, so compressed layers hand out decoded tensors.
+    - Caches built from ``ddp_cache_data`` hold the given (decoded) tensors in the full-precision window;
+      they are encoded again as they leave it.
+    - Offloading moves codes and windows; on a CPU cache there is nothing to offload and it does nothing.
+    - Keys and values are not checked for NaN or inf (see :mod:`tqindex.kv.store`).
     """
 
     def __init__(
         self,
-        config: PreTrainedConfig,
+        config: PreTrainedConfig | Iterable[tuple[Tensor | None, ...]] | None = None,
         key_encoder: str | Encoder = "tq4",
         value_encoder: str | Encoder = "tq4",
         residual_length: int = 128,
         protected_layers: int = 2,
+        *,
+        ddp_cache_data: Iterable[tuple[Tensor | None, ...]] | None = None,
+        offloading: bool = False,
+        offload_only_non_sliding: bool = False,
     ) -> None:
-        if not isinstance(config, PreTrainedConfig):
-            raise TypeError(f"config must be a transformers PreTrainedConfig, got {type(config).__name__}")
-        if not isinstance(protected_layers, int) or isinstance(protected_layers, bool) or protected_layers < 0:
-            raise ValueError(f"protected_layers must be an integer >= 0, got {protected_layers!r}")
-        text_config = config.get_text_config(decoder=True)
-        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
-        keys = _encoder(key_encoder, head_dim, "key_encoder")
-        values = _encoder(value_encoder, head_dim, "value_encoder")
-        layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
-        attention = [i for i, kind in enumerate(layer_types) if kind in ATTENTION_LAYER_TYPES]
-        protected = set(attention[:protected_layers] + attention[len(attention) - protected_layers :])
-        layers: list[Any] = []
-        for i, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
-            if kind == "full_attention" and i not in protected:
-                layers.append(TQLayer(keys, values, residual_length, text_config))
-            else:
-                layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs))
-        super().__init__(layers=layers)
+        if config is not None and not isinstance(config, PreTrainedConfig):
+            if isinstance(config, (str, bytes, dict)) or not isinstance(config, Iterable) or ddp_cache_data is not None:
+                raise TypeError(
+                    "config must be a transformers PreTrainedConfig (or, as DynamicCache's first argument, "
+                    f"ddp_cache_data: per-layer (keys, values) tuples), got {type(config).__name__}"
+                )
+            config, ddp_cache_data = None, config
+        for name, spec in (("key_encoder", key_encoder), ("value_encoder", value_encoder)):
+            _check_encoder_spec(spec, name)
+        self.residual_length = check_int(residual_length, "residual_length", 0)
+        self.protected_layers = check_int(protected_layers, "protected_layers", 0)
+        check_bool(offloading, "offloading")
+        check_bool(offload_only_non_sliding, "offload_only_non_sliding")
+        super().__init__(config=config, offloading=offloading, offload_only_non_sliding=offload_only_non_sliding)
+        self.layer_class_to_replicate = None  # layers are added by update (see _add_layers)
+        self.config = config
+        self.key_encoder, self.value_encoder = key_encoder, value_encoder
+        self.num_model_layers: int | None = None
+        """Number of cache layers once known: from the config, the ddp data, or the second forward pass."""
+        if config is not None:
+            text_config = config.get_text_config(decoder=True)
+            self._text_config = text_config
+            protected = _protected(self.layers, self.protected_layers)
+            dims = _head_dims(text_config)
+            if min(dims) >= 2:  # encoder objects must fit even when every layer is protected
+                _encoder(key_encoder, dims[0], "key_encoder")
+                _encoder(value_encoder, dims[1], "value_encoder")
+            self.layers = [
+                self._layer(dims) if type(layer) is DynamicLayer and i not in protected else layer
+                for i, layer in enumerate(self.layers)
+            ]
+            self.num_model_layers = len(self.layers)
+        else:
+            self._text_config = None
+        if ddp_cache_data is not None:
+            self._fill(ddp_cache_data)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "TQCache":
+        """Copy the stored tokens; the copy shares the config and the encoder objects."""
+        shared = (self.config, self._text_config, self.key_encoder, self.value_encoder)
+        return _deepcopy_sharing(self, memo, tuple(s for s in shared if not isinstance(s, str)))
 
     @classmethod
-    def preset(cls, config: PreTrainedConfig, name: str, **kwargs: Any) -> "TQCache":
+    def preset(cls, config: PreTrainedConfig | None, name: str, **kwargs: Any) -> "TQCache":
         """Cache from a preset name: ``"k{a}v{b}"`` (TurboQuant "tq{a}" keys, "tq{b}" values, a, b in
         1, 2, 3, 4, 8; e.g. "k8v4", "k4v4", "k3v4", "k2v2") or ``"fp4"`` (FP4-UE8M0 keys and values).
-        ``kwargs`` go to the constructor (``residual_length``, ``protected_layers``)."""
-        match = _PRESET.fullmatch(name) if isinstance(name, str) else None
+        ``kwargs`` go to the constructor (``residual_length``, ``protected_layers``, ...)."""
         if name == "fp4":
             return cls(config, "fp4", "fp4", **kwargs)
-        if match and all(int(b) in MSE_BITS for b in match.groups()):
-            return cls(config, f"tq{match[1]}", f"tq{match[2]}", **kwargs)
-        raise ValueError(f"preset must be 'fp4' or 'k{{a}}v{{b}}' with a, b in {MSE_BITS}, got {name!r}")
+        bits = name[1::2] if isinstance(name, str) and len(name) == 4 and name[::2] == "kv" else ""
+        if bits and all(b.isdigit() and int(b) in MSE_BITS for b in bits):
+            return cls(config, f"tq{bits[0]}", f"tq{bits[1]}", **kwargs)
+        raise ValueError(f"preset must be {PRESETS} with a, b in {MSE_BITS}, got {name!r}")
 
+    # -- layers ------------------------------------------------------------------------------------
+    def _layer(self, dims: tuple[int, int], protected: bool = False) -> CacheLayerMixin:
+        """A new layer for key/value head dims ``dims``: a TQLayer, or a DynamicLayer when protected or
+        when a head dim is below 2."""
+        if protected:
+            return DynamicLayer()
+        if min(dims) < 2:
+            logger.warning_once(f"TQCache keeps layers with head dims {dims} as DynamicLayer: encoders need dim >= 2")
+            return DynamicLayer()
+        keys = _encoder(self.key_encoder, dims[0], "key_encoder")
+        values = _encoder(self.value_encoder, dims[1], "value_encoder")
+        return TQLayer(keys, values, self.residual_length, self._text_config)
+
+    def _add_layers(self, layer_idx: int, key_states: Tensor, value_states: Tensor) -> None:
+        """Config-less caches: add layers up to ``layer_idx`` (the first ``protected_layers`` dense), and
+        protect the last ones once the number of layers is known."""
+        if self.config is not None:
+            return
+        if layer_idx < len(self.layers):
+            if self.num_model_layers is None:  # a layer seen before: the model has len(self.layers) layers
+                self._protect_last_layers()
+            return
+        dims = (key_states.shape[-1], value_states.shape[-1])
+        while len(self.layers) <= layer_idx:
+            first = self.num_model_layers is None and len(self.layers) < self.protected_layers
+            self.layers.append(self._layer(dims, protected=first))
+
+    def _protect_last_layers(self) -> None:
+        self.num_model_layers = len(self.layers)
+        for i in _protected(self.layers, self.protected_layers):
+            layer = self.layers[i]
+            if isinstance(layer, TQLayer):
+                dense = DynamicLayer()
+                if layer.is_initialized:
+                    assert layer.store.compressed_length == 0  # one update so far: every token in the window
+                    dense.update(layer.keys, layer.values)
+                self.layers[i] = dense
+
+    def _fill(self, data: Iterable[tuple[Tensor | None, ...]]) -> None:
+        """Start from per-layer ``(keys, values[, sliding window tensor])`` (``ddp_cache_data``)."""
+        entries = [tuple(entry) for entry in data]
+        for i, entry in enumerate(entries):
+            if len(entry) not in (2, 3) or not all(t is None or isinstance(t, Tensor) for t in entry):
+                raise TypeError(
+                    f"ddp_cache_data[{i}] must be (keys, values) or (keys, values, sliding window) tensors or None, "
+                    f"got {tuple(type(t).__name__ for t in entry)}"
+                )
+        if self.config is None:
+            self.layers = [
+                DynamicSlidingWindowLayer(sliding_window=int(entry[2].reshape(-1)[0]))
+                if len(entry) == 3 and entry[2] is not None
+                else DynamicLayer()
+                for entry in entries
+            ]
+            protected = _protected(self.layers, self.protected_layers)
+            for i, (k, v, *_) in enumerate(entries):
+                if type(self.layers[i]) is DynamicLayer and k is not None and v is not None:
+                    self.layers[i] = self._layer((k.shape[-1], v.shape[-1]), protected=i in protected)
+            self.num_model_layers = len(self.layers)
+        if len(entries) > len(self.layers):
+            raise ValueError(f"ddp_cache_data has {len(entries)} layers, the config {len(self.layers)}")
+        for layer, (k, v, *_) in zip(self.layers, entries):
+            if k is not None and v is not None:
+                layer.update(k, v)
+
+    def update(
+        self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[Tensor, Tensor] | tuple[CompressedTokens, CompressedTokens]:
+        """Store key/value states [B, H, T, D] of layer ``layer_idx``; return what its attention reads."""
+        self._add_layers(layer_idx, key_states, value_states)
+        if self.offloading and key_states.device.type == "cpu":  # nothing to offload to
+            return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    # -- memory ------------------------------------------------------------------------------------
     def nbytes(self) -> int:
         """Bytes held by all layers: codes and windows of compressed layers, tensors of the others."""
         return sum(_layer_bytes(layer)[0] for layer in self.layers)
@@ -248,12 +413,153 @@ def _layer_bytes(layer: Any) -> tuple[int, int]:
     return sum(t.numel() * t.element_size() for t in tensors), sum(2 * t.numel() for t in tensors)
 
 
-def _encoder(spec: str | Encoder, dim: int, name: str) -> Encoder:
-    """An encoder from a registry name or an Encoder object of dimension ``dim``."""
+def _protected(layers: list[Any], n: int) -> set[int]:
+    """Indices of the first and last ``n`` attention layers (layers with keys and values) of ``layers``."""
+    attention = [i for i, layer in enumerate(layers) if isinstance(layer, CacheLayerMixin)]
+    return set(attention[:n] + attention[len(attention) - n :])
+
+
+def _head_dims(text_config: PreTrainedConfig) -> tuple[int, int]:
+    """(key head dim, value head dim) of a decoder config."""
+    keys = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    return keys, getattr(text_config, "v_head_dim", None) or keys
+
+
+def _check_encoder_spec(spec: Any, name: str) -> None:
     if isinstance(spec, str):
-        return make_encoder(spec, dim)
-    if not isinstance(spec, Encoder):
+        if spec not in encoder_names():
+            raise ValueError(f"{name} {spec!r} is an unknown encoder name; known names: {', '.join(encoder_names())}")
+    elif not isinstance(spec, Encoder):
         raise TypeError(f"{name} must be an encoder name (str) or a tqindex Encoder, got {type(spec).__name__}")
+
+
+@lru_cache(maxsize=None)
+def _named_encoder(name: str, dim: int) -> Encoder:
+    """One shared encoder object per (name, dim)."""
+    return make_encoder(name, dim)
+
+
+def _encoder(spec: str | Encoder, dim: int, name: str) -> Encoder:
+    """The encoder of dimension ``dim`` from a registry name or an Encoder object."""
+    if isinstance(spec, str):
+        return _named_encoder(spec, dim)
     if spec.dim != dim:
-        raise ValueError(f"{name} has dim {spec.dim}, the model's head_dim is {dim}")
+        raise ValueError(f"{name} has dim {spec.dim}, the model's head dim is {dim}")
     return spec
+
+
+def _decoding_warning(config: PreTrainedConfig | None) -> str:
+    fix = f"build TQCache(model.config) and call model.set_attn_implementation({ATTN_IMPLEMENTATION!r})"
+    if config is None:
+        reason = "TQCache was built without a config, so it does not know the model's attention: it"
+    elif config._attn_implementation is None:
+        reason = "TQCache's config names no attention implementation (not the config of a loaded model?): it"
+    else:
+        reason = f"TQCache, under {config._attn_implementation!r} attention,"
+    return f"{reason} decodes its compressed keys/values at every step; {fix} to attend from the codes."
+
+
+def _dynamic_crop_length(length: int, tokens_to_remove: int) -> int:
+    """The length ``DynamicLayer.crop(tokens_to_remove)`` leaves of ``length`` tokens in the installed
+    transformers, with its errors and warnings: run on a layer of ``length`` stride-0 (memory-free) tokens."""
+    probe = DynamicLayer()
+    probe.keys = probe.values = torch.zeros(()).expand(1, 1, length, 1)
+    probe.is_initialized = True
+    DynamicLayer.crop(probe, tokens_to_remove)
+    return probe.keys.shape[-2]
+
+
+def _deepcopy_sharing(obj: Any, memo: dict[int, Any], shared: tuple[Any, ...]) -> Any:
+    """``deepcopy(obj)`` whose copy refers to the very objects in ``shared`` (configs, encoders)."""
+    for item in shared:
+        memo.setdefault(id(item), item)
+    copy = object.__new__(type(obj))
+    memo[id(obj)] = copy
+    copy.__dict__.update(deepcopy(obj.__dict__, memo))
+    return copy
+
+
+# -- torch pytree ----------------------------------------------------------------------------------
+# A TQCache flattens to the tensors it holds: per layer, every tensor attribute of a dense layer and the
+# KVStore tensors (codes' planes, windows) of a TQLayer. The context keeps everything else, comparable by
+# value: classes, plain attributes, the config, encoders by their operator key, the stores' layouts.
+_LEAF = "<tensor>"
+
+
+@dataclass(frozen=True)
+class _EncoderRef:
+    key: str  # encoder_key(encoder)
+
+
+@dataclass(frozen=True)
+class _StoreSpec:
+    key_encoder: str
+    value_encoder: str
+    residual_length: int
+    tensors: int
+
+
+def _flatten_object(obj: Any, path: str, leaves: list[tuple[str, Tensor]]) -> tuple[type, tuple]:
+    """(class, ((attribute, value or marker), ...)) of ``obj``; its tensors appended to ``leaves``."""
+    items = []
+    for name, value in sorted(vars(obj).items()):
+        if name == "prefetch_stream":  # a CUDA stream: made again when unflattening
+            continue
+        if isinstance(value, Tensor):
+            leaves.append((f"{path}{name}", value))
+            value = _LEAF
+        elif isinstance(value, KVStore):
+            tensors = value.tensors()
+            leaves += [(f"{path}{name}.{j}", t) for j, t in enumerate(tensors)]
+            value = _StoreSpec(value._key_id, value._value_id, value.residual_length, len(tensors))
+        elif isinstance(value, Encoder):
+            value = _EncoderRef(encoder_key(value))
+        elif name == "layers":
+            value = tuple(_flatten_object(layer, f"layers.{i}.", leaves) for i, layer in enumerate(value))
+        items.append((name, value))
+    return type(obj), tuple(items)
+
+
+def _unflatten_object(context: tuple[type, tuple], leaves: Iterable[Tensor]) -> Any:
+    cls, items = context
+    obj = object.__new__(cls)
+    for name, value in items:
+        if isinstance(value, str) and value == _LEAF:
+            value = next(leaves)
+        elif isinstance(value, _StoreSpec):
+            tensors = [next(leaves) for _ in range(value.tensors)]
+            value = KVStore.from_tensors(
+                encoder_from_key(value.key_encoder), encoder_from_key(value.value_encoder), value.residual_length, tensors
+            )
+        elif isinstance(value, _EncoderRef):
+            value = encoder_from_key(value.key)
+        elif name == "layers":
+            value = [_unflatten_object(layer, leaves) for layer in value]
+        obj.__dict__[name] = value
+    if getattr(obj, "offloading", False):
+        obj.prefetch_stream = torch.Stream()
+    return obj
+
+
+def _flatten_with_keys(cache: TQCache) -> tuple[list[tuple[Any, Tensor]], Any]:
+    leaves: list[tuple[str, Tensor]] = []
+    context = _flatten_object(cache, "", leaves)
+    return [(pytree.MappingKey(path), t) for path, t in leaves], context
+
+
+def _flatten(cache: TQCache) -> tuple[list[Tensor], Any]:
+    pairs, context = _flatten_with_keys(cache)
+    return [t for _, t in pairs], context
+
+
+def _unflatten(values: Iterable[Tensor], context: Any) -> TQCache:
+    return _unflatten_object(context, iter(values))
+
+
+pytree.register_pytree_node(
+    TQCache,
+    _flatten,
+    _unflatten,
+    serialized_type_name=f"{TQCache.__module__}.{TQCache.__qualname__}",
+    flatten_with_keys_fn=_flatten_with_keys,
+)

@@ -5,21 +5,107 @@ tokens (the last ``residual_length`` of the previous steps plus the chunk of the
 full precision in the *window*; on the next :meth:`KVStore.append` the tokens that fell out of it are
 encoded once and appended to a :class:`CodesBuffer`, whose capacity doubles when full (amortized O(1)
 per token, no copy of the history per step). Keys and values have their own encoders.
+
+Encoding goes through the PyTorch operator ``tqindex::encode_tokens`` (:func:`encode_tokens`), which
+``torch.compile`` and ``torch.export`` treat as one opaque call: nothing in an append reads the data on
+the host, so a decode step compiles into one graph and never waits for the device. The tokens are
+not checked for NaN or inf (that check would read every key back from the device at every step);
+they come from the model, and the codes of a non-finite vector are meaningless.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import weakref
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from ..codes import Codes
-from ..encoder import Encoder
+from ..encoder import Encoder, encoder_from_dict
 
 DENSE_BYTES_PER_ELEMENT = 2
 """Bytes per element of the reference dense cache (bfloat16), for :meth:`KVStore.nbytes_dense`."""
+MIN_CAPACITY = 256
+"""Tokens a :class:`CodesBuffer` holds at least once it holds any."""
 _ALL = slice(None)
+
+# -- the encode operator ----------------------------------------------------------------------------
+# The operator takes the encoder as a string key (operators take tensors and plain values only): its
+# configuration and a digest of its derived tensors. Live encoders are found by key; an encoder that is
+# no longer alive (an exported program run later) is rebuilt from its configuration when the digest agrees.
+_ENCODERS: "weakref.WeakValueDictionary[str, Encoder]" = weakref.WeakValueDictionary()
+_KEYS: "weakref.WeakKeyDictionary[Encoder, str]" = weakref.WeakKeyDictionary()
+_LAYOUTS: dict[str, tuple[tuple[str, tuple[int, ...], torch.dtype], ...]] = {}
+
+
+def encoder_key(encoder: Encoder) -> str:
+    """The key naming ``encoder`` in ``tqindex::encode_tokens`` (registers it; computed once per encoder).
+
+    Call it outside traced code: it hashes the encoder's tensors and encodes one zero vector to learn the
+    planes of its codes."""
+    if not isinstance(encoder, Encoder):
+        raise TypeError(f"encoder must be a tqindex Encoder, got {type(encoder).__name__}")
+    key = _KEYS.get(encoder)
+    if key is None:
+        key = f"{json.dumps(encoder.to_dict(), sort_keys=True)}#{_digest(encoder)}"
+        _KEYS[encoder] = key
+        _ENCODERS.setdefault(key, encoder)
+        if key not in _LAYOUTS:
+            template = encoder.encode_valid(torch.zeros(1, encoder.dim))
+            _LAYOUTS[key] = tuple((name, tuple(t.shape[1:]), t.dtype) for name, t in template.planes())
+    return key
+
+
+def _digest(encoder: Encoder) -> str:
+    h = hashlib.sha256()
+    for name, t in sorted(encoder.tensors().items()):
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def encoder_from_key(key: str) -> Encoder:
+    """The encoder registered under ``key``, else rebuilt from the configuration the key holds."""
+    encoder = _ENCODERS.get(key)
+    if encoder is None:
+        config, digest = key.rsplit("#", 1)
+        encoder = encoder_from_dict(json.loads(config))
+        if _digest(encoder) != digest:
+            raise ValueError(
+                f"no live encoder has key {key!r}, and rebuilding it from its configuration gives other tensors "
+                "(a trained encoder): keep the encoder object alive, e.g. in its KVStore or TQCache"
+            )
+        encoder_key(encoder)
+    return encoder
+
+
+@torch.library.custom_op("tqindex::encode_tokens", mutates_args=())
+def _encode_tokens_op(x: Tensor, encoder: str) -> list[Tensor]:
+    """x [N, dim] float32 -> the planes of ``encode_valid(x)`` in :data:`_LAYOUTS` order."""
+    return [t.contiguous() for _, t in encoder_from_key(encoder).encode_valid(x).planes()]
+
+
+@_encode_tokens_op.register_fake
+def _encode_tokens_fake(x: Tensor, encoder: str) -> list[Tensor]:
+    return [x.new_empty((x.shape[0], *shape), dtype=dtype) for _, shape, dtype in _LAYOUTS[encoder]]
+
+
+def encode_tokens(encoder: Encoder, x: Tensor, key: str | None = None) -> Codes:
+    """Encode float vectors x [..., dim] -> Codes [...] by ``encoder.encode_valid`` inside the operator
+    ``tqindex::encode_tokens``: no checks of the values (see the module docstring). ``key``:
+    ``encoder_key(encoder)`` when already known."""
+    key = encoder_key(encoder) if key is None else key
+    planes = torch.ops.tqindex.encode_tokens(x.reshape(-1, encoder.dim).float().contiguous(), key)
+    return _codes(key, planes).reshape(*x.shape[:-1])
+
+
+def empty_codes(key: str, lead: tuple[int, ...], device: torch.device) -> Codes:
+    """Uninitialized Codes of the encoder with key ``key`` (:func:`encoder_key`), leading shape ``lead``."""
+    return Codes(**{name: torch.empty((*lead, *shape), dtype=dtype, device=device)
+                    for name, shape, dtype in _LAYOUTS[key]})
 
 
 @dataclass(frozen=True, eq=False)
@@ -50,15 +136,27 @@ class CompressedTokens:
 class CodesBuffer:
     """Codes [B, H, capacity] growing along the token axis (dim 2); the first ``length`` tokens are valid.
 
-    Appending past the capacity reallocates to ``max(needed, 2 * capacity)`` tokens, so T appended
-    tokens cost O(log T) reallocations (counted in ``reallocations``).
+    An append that would fill the buffer reallocates it to ``max(needed + 1, 2 * capacity,
+    MIN_CAPACITY)`` tokens, so T appended tokens cost O(log T) reallocations (counted in
+    ``reallocations``), and the valid tokens never span the whole buffer: their memory layout, on which
+    compiled code specializes, stays the same as the buffer fills. A ``torch.compile``-d decode step
+    compiles again only when the buffer grows.
     """
 
-    def __init__(self, template: Codes, batch: int, heads: int) -> None:
-        """Empty buffer with the planes, dtypes and device of ``template`` (any Codes of the encoder)."""
-        self._data = template.empty_like(batch, heads, 0)
-        self.length = 0
+    def __init__(self, data: Codes, length: int = 0) -> None:
+        """Buffer over ``data`` (Codes [B, H, capacity]) whose first ``length`` tokens are valid."""
+        if not 0 <= length <= data.shape[2]:
+            raise ValueError(f"length must be in [0, {data.shape[2]}], got {length!r}")
+        self._data = data
+        # The number of valid tokens is the size of this zero-byte tensor, not a Python int: torch.compile
+        # turns a changing tensor size into a dynamic size, while it compiles again for every new int.
+        self._length = data.qdata.new_empty(length, 0)
         self.reallocations = 0
+
+    @property
+    def length(self) -> int:
+        """Valid tokens."""
+        return self._length.shape[0]
 
     @property
     def capacity(self) -> int:
@@ -67,7 +165,8 @@ class CodesBuffer:
 
     def view(self) -> Codes:
         """The valid codes, Codes [B, H, length] (a view: no copy)."""
-        return self._data[:, :, : self.length]
+        length = self.length
+        return self._data.map(lambda t: t.narrow(2, 0, length))
 
     @property
     def nbytes(self) -> int:
@@ -76,22 +175,28 @@ class CodesBuffer:
 
     def append(self, codes: Codes) -> None:
         """Append Codes [B, H, n] after the valid tokens."""
-        needed = self.length + codes.shape[2]
-        if needed > self.capacity:
-            grown = self._data.empty_like(*self._data.shape[:2], max(needed, 2 * self.capacity))
-            grown.copy_((_ALL, _ALL, slice(0, self.length)), self.view())
+        length = self.length
+        needed = length + codes.shape[2]
+        if needed >= self.capacity:
+            grown = self._data.empty_like(*self._data.shape[:2], max(needed + 1, 2 * self.capacity, MIN_CAPACITY))
+            grown.copy_((_ALL, _ALL, slice(0, length)), self.view())
             self._data = grown
             self.reallocations += 1
-        self._data.copy_((_ALL, _ALL, slice(self.length, needed)), codes)
-        self.length = needed
+        self._data.copy_((_ALL, _ALL, slice(length, needed)), codes)
+        self._length = self._length.new_empty(needed, 0)
 
     def crop(self, length: int) -> None:
         """Keep the first ``length`` tokens (the capacity is kept)."""
-        self.length = min(self.length, length)
+        self._length = self._length[:length]
 
     def select(self, index: Tensor) -> None:
         """Keep (or repeat, reorder) batch rows: ``index`` is a long or bool tensor indexing dim 0."""
         self._data = self._data[index]
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> None:
+        """Move the valid codes to ``device`` (the unused capacity is dropped)."""
+        self._data = self.view().map(lambda t: t.to(device, non_blocking=non_blocking))
+        self._length = self._length.to(device)
 
 
 class KVStore:
@@ -115,6 +220,34 @@ class KVStore:
         self.values: CodesBuffer | None = None
         self._key_window: Tensor | None = None  # [B, H, W, Dk]
         self._value_window: Tensor | None = None  # [B, H, W, Dv]
+        self._register()
+
+    def _register(self) -> None:
+        """Operator keys of the encoders, kept as plain strings so that traced appends read no registry."""
+        self._key_id = encoder_key(self.key_encoder)
+        self._value_id = encoder_key(self.value_encoder)
+
+    def __setstate__(self, state: dict) -> None:
+        """Unpickling (and deepcopy): register the encoders again (a new process has no registry)."""
+        self.__dict__.update(state)
+        self._register()
+
+    @classmethod
+    def from_tensors(
+        cls, key_encoder: Encoder, value_encoder: Encoder, residual_length: int, tensors: list[Tensor]
+    ) -> "KVStore":
+        """Inverse of :meth:`tensors`: a store holding exactly those codes and windows."""
+        store = cls(key_encoder, value_encoder, residual_length)
+        if tensors:
+            nk, nv = len(_LAYOUTS[store._key_id]), len(_LAYOUTS[store._value_id])
+            if len(tensors) != nk + nv + 2:
+                raise ValueError(f"expected {nk + nv + 2} tensors (key planes, value planes, 2 windows), got {len(tensors)}")
+            store.keys, store.values = (
+                CodesBuffer(codes, codes.shape[2])
+                for codes in (_codes(store._key_id, tensors[:nk]), _codes(store._value_id, tensors[nk : nk + nv]))
+            )
+            store._key_window, store._value_window = tensors[-2:]
+        return store
 
     # -- state -------------------------------------------------------------------------------------
     @property
@@ -131,6 +264,19 @@ class KVStore:
     def seq_length(self) -> int:
         """Tokens held in total."""
         return self.compressed_length + self.window_length
+
+    @property
+    def device(self) -> torch.device | None:
+        """Device of the held tokens (None while empty)."""
+        return None if self._key_window is None else self._key_window.device
+
+    def tensors(self) -> list[Tensor]:
+        """Everything held, as plain tensors: the planes of the valid key codes [B, H, Tc, ...], of the value
+        codes, then the key window [B, H, W, Dk] and the value window [B, H, W, Dv]; [] while empty."""
+        if self.keys is None:
+            return []
+        planes = [t for codes in (self.keys.view(), self.values.view()) for _, t in codes.planes()]
+        return [*planes, self._key_window, self._value_window]
 
     def nbytes(self) -> int:
         """Bytes held: the valid code planes of keys and values plus the full-precision window."""
@@ -156,18 +302,19 @@ class KVStore:
 
     # -- updates -----------------------------------------------------------------------------------
     def append(self, key: Tensor, value: Tensor) -> None:
-        """Add the tokens of one step: key [B, H, T, Dk], value [B, H, T, Dv] (floating, same B, H, T)."""
+        """Add the tokens of one step: key [B, H, T, Dk], value [B, H, T, Dv] (floating, same B, H, T;
+        shapes and dtypes are checked, values are not: see the module docstring)."""
         self._check(key, value)
         if self.keys is None:
             b, h = key.shape[:2]
-            self.keys = CodesBuffer(self._template(self.key_encoder, key), b, h)
-            self.values = CodesBuffer(self._template(self.value_encoder, value), b, h)
+            self.keys = CodesBuffer(empty_codes(self._key_id, (b, h, 0), key.device))
+            self.values = CodesBuffer(empty_codes(self._value_id, (b, h, 0), value.device))
             self._key_window, self._value_window = key, value
             return
         old = self.window_length - self.residual_length
         if old > 0:  # tokens that left the window: encode once, append to the buffers
-            self.keys.append(self.key_encoder.encode(self._key_window[:, :, :old]))
-            self.values.append(self.value_encoder.encode(self._value_window[:, :, :old]))
+            self.keys.append(encode_tokens(self.key_encoder, self._key_window[:, :, :old], self._key_id))
+            self.values.append(encode_tokens(self.value_encoder, self._value_window[:, :, :old], self._value_id))
         keep = slice(max(old, 0), None)
         self._key_window = torch.cat([self._key_window[:, :, keep], key], dim=2)
         self._value_window = torch.cat([self._value_window[:, :, keep], value], dim=2)
@@ -201,6 +348,17 @@ class KVStore:
         rows = torch.arange(self._key_window.shape[0], device=self._key_window.device)
         self.select(rows.repeat_interleave(repeats))
 
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> None:
+        """Move the codes and windows to ``device`` (offloading; nothing is decoded). ``non_blocking`` as in
+        :meth:`torch.Tensor.to`: asynchronous host-to-device copies need page-locked host memory, which a
+        non-blocking device-to-host copy allocates."""
+        if self.keys is None:
+            return
+        self.keys.to(device, non_blocking)
+        self.values.to(device, non_blocking)
+        self._key_window = self._key_window.to(device, non_blocking=non_blocking)
+        self._value_window = self._value_window.to(device, non_blocking=non_blocking)
+
     # -- reads -------------------------------------------------------------------------------------
     def view(self) -> tuple[CompressedTokens, CompressedTokens]:
         """(keys, values) as :class:`CompressedTokens` views of the held tokens (no copy, no decode)."""
@@ -230,7 +388,7 @@ class KVStore:
                 f"key has [B, H] = {tuple(key.shape[:2])}, the store holds {tuple(self._key_window.shape[:2])}"
             )
 
-    @staticmethod
-    def _template(encoder: Encoder, x: Tensor) -> Codes:
-        """Codes of one zero vector: the planes, dtypes and device the buffers need."""
-        return encoder.encode(x.new_zeros(1, encoder.dim, dtype=torch.float32))
+
+def _codes(key: str, planes: list[Tensor]) -> Codes:
+    """Codes from the planes of an encoder's codes, in :data:`_LAYOUTS` order."""
+    return Codes(**{name: t for (name, _, _), t in zip(_LAYOUTS[key], planes)})
