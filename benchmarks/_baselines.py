@@ -1,9 +1,14 @@
 """Baseline indexes for ``benchmarks/ann.py``: faiss quantizers and turbovec, behind one small interface.
 
-Each constructor returns a :class:`Baseline`: ``build(x)`` (train + add), ``search(q, k) -> (D, I)``
-(faiss-style, float32 / int64 ``[nq, k]``, best first), ``bytes_per_vector`` (the codes plus the
-per-vector side data the index stores, read from the index after ``build``) and ``timed_search``
-(wall time of one batched search at a given thread count).
+Each constructor returns a :class:`Baseline`: ``build(x, train)`` (train on ``train``, add x),
+``search(q, k) -> (D, I)`` (faiss-style, float32 / int64 ``[nq, k]``, best first), ``code_size`` (bytes
+per vector of the code format: codes plus per-vector side data), ``memory()`` (what the built index
+holds: bytes per vector and bytes held once, see :class:`Memory`) and ``timed_search`` (wall time of
+one batched search at a given thread count).
+
+Every trained index trains on exactly the rows it is given: faiss's k-means would otherwise subsample
+them (``max_points_per_centroid``, 256 points per centroid by default: 4,096 rows for a 4-bit PQ),
+so a benchmark that hands every method the same training rows compares like with like.
 
 All baselines score by inner product (``metric="ip"``) or squared L2 (``metric="l2"``); cosine data
 must be normalized by the caller and searched with ``"ip"``.
@@ -15,6 +20,10 @@ faiss details this module handles:
   (``ann.py`` does).
 - TurboQuant scalar quantizers (``"RR,SQtqmse{b}"``, ``"RR,SQtq{b}"``) store no norm: they are only
   meaningful on unit vectors. ``SQtqmse`` exists for b = 1..4 and 8, ``SQtq`` (Q_prod) for b = 2..5.
+- Scalar quantizers (``SQ{b}``, ``SQtqmse{b}``, ``SQtq{b}``) run faiss's SIMD code only when d is a
+  multiple of 8, and its scalar code otherwise (several times slower): vectors are zero-padded to a
+  multiple of 8 (the codes grow with the padded d), and the unpadded index is a row of its own,
+  named ``...-unpadded``.
 - ``IndexPQ`` / ``IndexPQFastScan`` need the sub-quantizer count M to divide d; to match a byte budget
   exactly, vectors are zero-padded to a multiple of M (zeros change no inner product or distance),
   the zeros spread over the sub-vectors (appending them all at the end would leave whole
@@ -26,6 +35,11 @@ faiss details this module handles:
 - turbovec needs d to be a multiple of 8 (zero-padded here), supports 2 and 4 bits, and sizes its
   thread pool (rayon) once per process from ``RAYON_NUM_THREADS``: its timings at a given thread count
   run in a child process.
+
+Memory: faiss and turbovec indexes are measured by their serialized size (``faiss.serialize_index``,
+``TurboQuantIndex.to_bytes``), which writes the arrays the index holds (codes, ids where the index
+stores them, per-vector factors, codebooks, rotations): bytes per vector = growth from the trained
+empty index to the full one, divided by n; bytes held once = the trained empty index.
 """
 
 from __future__ import annotations
@@ -37,6 +51,7 @@ import sys
 import tempfile
 import time
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -48,6 +63,8 @@ FAISS_TQPROD_BITS = (2, 3, 4)
 """Bit widths (1-4) of faiss ``SQtq`` (TurboQuant Q_prod: b-1 MSE bits + 1 QJL bit)."""
 TURBOVEC_BITS = (2, 4)
 """Bit widths turbovec supports."""
+SIMD_MULTIPLE = 8
+"""faiss scalar quantizers and turbovec need d to be a multiple of this for their SIMD code."""
 
 
 def _faiss():
@@ -104,8 +121,19 @@ def set_threads(n: int) -> None:
         os.sched_setaffinity(0, _CPUS[: max(1, n)])
 
 
+@dataclass(frozen=True)
+class Memory:
+    """What a built index holds: ``per_vector`` bytes for each vector it stores (codes as stored,
+    with any block padding, ids where the index stores them, per-vector side data) and ``fixed``
+    bytes held once whatever n (trained or seeded tensors: rotations, codebooks, a PCA basis, IVF
+    centroids)."""
+
+    per_vector: float
+    fixed: int
+
+
 class Baseline(ABC):
-    """A baseline index: build (train + add), search, bytes per vector, timed search.
+    """A baseline index: build (train + add), search, code size, memory held, timed search.
 
     name: method name in result rows; family: result grouping ("faiss-pq", "turbovec", ...);
     bits: the nominal bits per coordinate the row is compared at; notes: how it was built.
@@ -115,8 +143,9 @@ class Baseline(ABC):
         self.name, self.family, self.bits, self.notes = name, family, bits, notes
 
     @abstractmethod
-    def build(self, x: np.ndarray) -> None:
-        """Train on and add x [n, d] float32."""
+    def build(self, x: np.ndarray, train: np.ndarray | None = None) -> None:
+        """Train on ``train`` [m, d] float32 (default x; methods that learn nothing ignore it), then add
+        x [n, d] float32."""
 
     @abstractmethod
     def search(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -124,8 +153,12 @@ class Baseline(ABC):
 
     @property
     @abstractmethod
-    def bytes_per_vector(self) -> float:
-        """Stored bytes per vector, codes plus per-vector side data (valid after build)."""
+    def code_size(self) -> float:
+        """Bytes per vector of the code format, codes plus per-vector side data (valid after build)."""
+
+    @abstractmethod
+    def memory(self) -> Memory:
+        """What the built index holds (see :class:`Memory`)."""
 
     def timed_search(self, q: np.ndarray, k: int, threads: int) -> float:
         """Wall-clock seconds of ``search(q, k)`` (one batched call) on ``threads`` threads, right after
@@ -137,8 +170,28 @@ class Baseline(ABC):
         return time.perf_counter() - t0
 
 
+def _every_training_row(index: Any) -> None:
+    """Make faiss's k-means (coarse quantizer and PQ codebooks) train on every row it is given."""
+    faiss = _faiss()
+    if isinstance(index, faiss.IndexPreTransform):
+        index = faiss.downcast_index(index.index)
+    for owner in (index, getattr(index, "pq", None)):
+        if hasattr(owner, "cp"):
+            owner.cp.max_points_per_centroid = 1 << 30
+
+
+def _inner(index: Any) -> Any:
+    """The index behind a pre-transform (rotation), else the index itself."""
+    faiss = _faiss()
+    return faiss.downcast_index(index.index) if isinstance(index, faiss.IndexPreTransform) else index
+
+
 class FaissBaseline(Baseline):
-    """A faiss index (factory string or constructor), with optional zero padding of the vectors."""
+    """A faiss index (factory string or constructor), with optional zero padding of the vectors.
+
+    ``code_size`` is the index's ``code_size``: what its storage (flat codes, or inverted lists)
+    holds per vector besides ids, without the list number ``sa_code_size`` adds for IVF indexes.
+    """
 
     def __init__(self, name: str, family: str, bits: int, make: Callable[[int], Any], dim: int,
                  pad_to: int | None = None, columns: np.ndarray | None = None,
@@ -148,19 +201,15 @@ class FaissBaseline(Baseline):
         self.make = make
         self.index: Any = None  # made in build(): an unsupported configuration fails there
         self.params = search_params
-        self.train_rows: int | None = None
-        """Train on at most this many (seeded random) rows; None: all rows, faiss samples itself."""
+        self._empty_bytes = 0
 
-    def build(self, x: np.ndarray) -> None:
-        x = _pad(x, self.pad_to, self.columns)
+    def build(self, x: np.ndarray, train: np.ndarray | None = None) -> None:
         self.index = self.make(self.pad_to)
         if not self.index.is_trained:
-            train = x
-            if self.train_rows is not None and len(x) > self.train_rows:
-                rows = np.random.default_rng(0).choice(len(x), self.train_rows, replace=False)
-                train = x[np.sort(rows)]
-            self.index.train(train)
-        self.index.add(x)
+            _every_training_row(self.index)
+            self.index.train(_pad(x if train is None else train, self.pad_to, self.columns))
+        self._empty_bytes = len(_faiss().serialize_index(self.index))
+        self.index.add(_pad(x, self.pad_to, self.columns))
 
     def search(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         q = _pad(q, self.pad_to, self.columns)
@@ -169,32 +218,47 @@ class FaissBaseline(Baseline):
         return self.index.search(q, k, params=self.params)
 
     @property
-    def bytes_per_vector(self) -> float:
-        return float(self.index.sa_code_size())
+    def code_size(self) -> float:
+        return float(_inner(self.index).code_size)
+
+    def memory(self) -> Memory:
+        full = len(_faiss().serialize_index(self.index))
+        return Memory((full - self._empty_bytes) / self.index.ntotal, self._empty_bytes)
 
 
 def _factory(spec: str, metric: str) -> Callable[[int], Any]:
     return lambda d: _faiss().index_factory(d, spec, faiss_metric(metric))
 
 
-def faiss_tq_mse(dim: int, bits: int, metric: str) -> FaissBaseline:
+def _scalar_quantizer(name: str, family: str, bits: int, spec: str, dim: int, metric: str, pad: bool,
+                      notes: str = "") -> FaissBaseline:
+    """A faiss scalar quantizer ``index_factory(spec)``: with ``pad``, d zero-padded to a multiple of
+    :data:`SIMD_MULTIPLE` (faiss's SIMD code); without, named ``name + "-unpadded"`` where that differs."""
+    to = -(-dim // SIMD_MULTIPLE) * SIMD_MULTIPLE if pad else dim
+    if to != dim:
+        notes += f", d zero-padded to {to}"
+    elif not pad and dim % SIMD_MULTIPLE:
+        name += "-unpadded"
+        notes += f", d = {dim} unpadded (faiss's scalar code path)"
+    return FaissBaseline(name, family, bits, _factory(spec, metric), dim, pad_to=to,
+                         notes=f"index_factory({spec!r})" + notes)
+
+
+def faiss_tq_mse(dim: int, bits: int, metric: str, pad: bool = True) -> FaissBaseline:
     """faiss TurboQuant Q_mse scalar quantizer (``"RR,SQtqmse{bits}"``); unit-norm data only."""
-    return FaissBaseline(f"faiss-sq-tqmse{bits}", "faiss-turboquant", bits,
-                         _factory(f"RR,SQtqmse{bits}", metric), dim,
-                         notes=f"index_factory('RR,SQtqmse{bits}'), no stored norm")
+    return _scalar_quantizer(f"faiss-sq-tqmse{bits}", "faiss-turboquant", bits, f"RR,SQtqmse{bits}", dim,
+                             metric, pad, ", no stored norm")
 
 
-def faiss_tq_prod(dim: int, bits: int, metric: str) -> FaissBaseline:
+def faiss_tq_prod(dim: int, bits: int, metric: str, pad: bool = True) -> FaissBaseline:
     """faiss TurboQuant Q_prod scalar quantizer (``"RR,SQtq{bits}"``); unit-norm data only."""
-    return FaissBaseline(f"faiss-sq-tq{bits}", "faiss-turboquant", bits,
-                         _factory(f"RR,SQtq{bits}", metric), dim,
-                         notes=f"index_factory('RR,SQtq{bits}')")
+    return _scalar_quantizer(f"faiss-sq-tq{bits}", "faiss-turboquant", bits, f"RR,SQtq{bits}", dim,
+                             metric, pad)
 
 
-def faiss_sq(dim: int, bits: int, metric: str) -> FaissBaseline:
+def faiss_sq(dim: int, bits: int, metric: str, pad: bool = True) -> FaissBaseline:
     """faiss classic per-dimension trained uniform scalar quantizer (``"SQ{bits}"``, bits 4, 6, 8)."""
-    return FaissBaseline(f"faiss-sq{bits}", "faiss-sq", bits, _factory(f"SQ{bits}", metric), dim,
-                         notes=f"index_factory('SQ{bits}')")
+    return _scalar_quantizer(f"faiss-sq{bits}", "faiss-sq", bits, f"SQ{bits}", dim, metric, pad)
 
 
 def faiss_eden(dim: int, bits: int, metric: str, biased: bool = False) -> FaissBaseline:
@@ -288,67 +352,74 @@ def turbovec_available() -> bool:
 
 
 _TURBOVEC_TIMER = r"""
-import json, sys, time
+import json, signal, sys, time
 import numpy as np
 from turbovec import TurboQuantIndex
-path, qpath, k = sys.argv[1], sys.argv[2], int(sys.argv[3])
-index = TurboQuantIndex.load(path)
-q = np.load(qpath)
-index.prepare()
-index.search(q, k)
-t0 = time.perf_counter()
-index.search(q, k)
-print(json.dumps({"seconds": time.perf_counter() - t0}))
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's; this process ends when it does
+for line in sys.stdin:
+    path, qpath, k = json.loads(line)
+    index = TurboQuantIndex.load(path)
+    q = np.load(qpath)
+    index.prepare()
+    index.search(q, k)
+    t0 = time.perf_counter()
+    index.search(q, k)
+    print(json.dumps(time.perf_counter() - t0), flush=True)
 """
+_turbovec_timers: dict[int, subprocess.Popen] = {}
+
+
+def _turbovec_timer(threads: int) -> subprocess.Popen:
+    """The child process that times turbovec searches on ``threads`` threads (started on first use,
+    after :func:`set_threads` pinned this process, whose CPUs it inherits; it reads requests until
+    this process closes its input)."""
+    timer = _turbovec_timers.get(threads)
+    if timer is None or timer.poll() is not None:
+        env = dict(os.environ, RAYON_NUM_THREADS=str(threads))
+        timer = subprocess.Popen([sys.executable, "-c", _TURBOVEC_TIMER], env=env, text=True,
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        _turbovec_timers[threads] = timer
+    return timer
 
 
 class TurbovecBaseline(Baseline):
-    """turbovec ``TurboQuantIndex`` (inner product only), optionally calibrated ("TQ+") on a sample.
+    """turbovec ``TurboQuantIndex`` (inner product only), optionally calibrated ("TQ+") on the
+    training rows.
 
-    d is zero-padded to a multiple of 8. bytes_per_vector is measured from the serialized index
-    (size growth per added vector), i.e. what turbovec really stores.
+    d is zero-padded to a multiple of 8. Its code size and memory are measured from the serialized
+    index (a process's resident memory grows by about as much per added vector).
     """
 
-    def __init__(self, dim: int, bits: int, calibrate: bool = False, seed: int = 0,
-                 calibration_rows: int = 1024) -> None:
+    def __init__(self, dim: int, bits: int, calibrate: bool = False) -> None:
         name = f"turbovec{bits}" + ("-cal" if calibrate else "")
-        pad = -(-dim // 8) * 8
+        pad = -(-dim // SIMD_MULTIPLE) * SIMD_MULTIPLE
         notes = f"turbovec.TurboQuantIndex(dim={pad}, bit_width={bits})" + (
-            f", calibrate() on {calibration_rows} random base rows" if calibrate else "")
+            ", calibrate() on the training rows" if calibrate else "")
         super().__init__(name, "turbovec", bits, notes)
         if bits not in TURBOVEC_BITS:
             raise ValueError(f"turbovec bits must be one of {TURBOVEC_BITS}, got {bits}")
         self.dim, self.pad_to, self.calibrate = dim, pad, calibrate
-        self.seed, self.calibration_rows = seed, calibration_rows
         self.index: Any = None
-        self._bytes = float("nan")
+        self._empty_bytes = 0
+        self._files: tempfile.TemporaryDirectory | None = None  # the built index as a file, for timing
 
-    def _new(self, x: np.ndarray):
+    def build(self, x: np.ndarray, train: np.ndarray | None = None) -> None:
         from turbovec import TurboQuantIndex
 
-        index = TurboQuantIndex(dim=self.pad_to, bit_width=self.bits)
+        self._files = None
+        self.index = TurboQuantIndex(dim=self.pad_to, bit_width=self.bits)
         if self.calibrate:
-            rng = np.random.default_rng(self.seed)
-            rows = rng.choice(len(x), min(len(x), self.calibration_rows), replace=False)
-            index.calibrate(x[np.sort(rows)])
-        return index
-
-    def build(self, x: np.ndarray) -> None:
-        x = _pad(x, self.pad_to)
-        self.index = self._new(x)
-        self.index.add(x)
+            self.index.calibrate(_pad(x if train is None else train, self.pad_to))
+        self._empty_bytes = len(self.index.to_bytes())
+        self.index.add(_pad(x, self.pad_to))
         self.index.prepare()
 
     @property
-    def bytes_per_vector(self) -> float:
-        if self._bytes != self._bytes:  # NaN: not measured yet
-            blob = self.index.to_bytes()
-            empty = type(self.index).from_bytes(blob)  # same configuration and calibration
-            for i in reversed(range(len(empty))):
-                empty.swap_remove(i)
-            # everything the vectors add to the serialized index, per vector
-            self._bytes = (len(blob) - len(empty.to_bytes())) / len(self.index)
-        return self._bytes
+    def code_size(self) -> float:
+        return self.memory().per_vector
+
+    def memory(self) -> Memory:
+        return Memory((len(self.index.to_bytes()) - self._empty_bytes) / len(self.index), self._empty_bytes)
 
     def search(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         D, I = self.index.search(_pad(q, self.pad_to), k)
@@ -356,33 +427,39 @@ class TurbovecBaseline(Baseline):
 
     def timed_search(self, q: np.ndarray, k: int, threads: int) -> float:
         """As :meth:`Baseline.timed_search`, in a child process whose rayon pool has ``threads``
-        threads (the index travels as a turbovec file)."""
+        threads (one per thread count, kept for the next call; the index travels as a turbovec file,
+        written once per build)."""
         set_threads(threads)
-        with tempfile.TemporaryDirectory() as tmp:
-            path, qpath = Path(tmp) / "index.tv", Path(tmp) / "q.npy"
-            self.index.write(str(path), durable=False)
-            np.save(qpath, _pad(q, self.pad_to))
-            env = dict(os.environ, RAYON_NUM_THREADS=str(threads))
-            out = subprocess.run([sys.executable, "-c", _TURBOVEC_TIMER, str(path), str(qpath),
-                                  str(k)], env=env, check=True, capture_output=True, text=True)
-        return float(json.loads(out.stdout.strip().splitlines()[-1])["seconds"])
+        if self._files is None:
+            self._files = tempfile.TemporaryDirectory(prefix="tqindex-turbovec-")
+            self.index.write(str(Path(self._files.name) / "index.tv"), durable=False)
+        path, qpath = Path(self._files.name) / "index.tv", Path(self._files.name) / "q.npy"
+        np.save(qpath, _pad(q, self.pad_to))
+        timer = _turbovec_timer(threads)
+        timer.stdin.write(json.dumps([str(path), str(qpath), k]) + "\n")
+        timer.stdin.flush()
+        reply = timer.stdout.readline()
+        if not reply:
+            raise RuntimeError(f"the turbovec timing process ({threads} threads) ended with status {timer.wait()}")
+        return float(json.loads(reply))
 
 
 def baselines_for(dim: int, bits: int, metric: str, unit_norm: bool, target_bytes: int,
-                  with_turbovec: bool = True, train_rows: int | None = None) -> list[Baseline]:
+                  with_turbovec: bool = True) -> list[Baseline]:
     """All baselines compared at ``bits`` per coordinate, in result-table order.
 
     target_bytes: the tqindex bytes per vector at this bit width; PQ is sized to match it.
     unit_norm: the data are unit vectors (faiss TurboQuant quantizers store no norm and are left
-    out otherwise). turbovec is inner-product only and included when importable. train_rows:
-    faiss indexes train on at most that many seeded random rows (None: all).
+    out otherwise). Scalar quantizers come zero-padded and, where d is not a multiple of 8, unpadded
+    too. turbovec is inner-product only and included when importable.
     """
+    pads = (True, False) if dim % SIMD_MULTIPLE else (True,)
     out: list[Baseline] = []
     if unit_norm and metric == "ip":
         if bits in FAISS_TQMSE_BITS:
-            out.append(faiss_tq_mse(dim, bits, metric))
+            out += [faiss_tq_mse(dim, bits, metric, pad) for pad in pads]
         if bits in FAISS_TQPROD_BITS:
-            out.append(faiss_tq_prod(dim, bits, metric))
+            out += [faiss_tq_prod(dim, bits, metric, pad) for pad in pads]
     out.append(faiss_eden(dim, bits, metric))
     out.append(faiss_eden(dim, bits, metric, biased=True))
     out.append(faiss_rabitq(dim, bits, metric))
@@ -390,11 +467,8 @@ def baselines_for(dim: int, bits: int, metric: str, unit_norm: bool, target_byte
     out.append(faiss_pq(dim, bits, metric, target_bytes))
     out.append(faiss_pq_fastscan(dim, bits, metric, target_bytes))
     if bits == 4:
-        out.append(faiss_sq(dim, 4, metric))
+        out += [faiss_sq(dim, 4, metric, pad) for pad in pads]
     if with_turbovec and metric == "ip" and bits in TURBOVEC_BITS and turbovec_available():
         out.append(TurbovecBaseline(dim, bits))
         out.append(TurbovecBaseline(dim, bits, calibrate=True))
-    for b in out:
-        if isinstance(b, FaissBaseline):
-            b.train_rows = train_rows
     return out
