@@ -134,26 +134,33 @@ class Progress:
 
     Each :meth:`step` adds the wall seconds since the previous one and sets the total to that plus
     the caller's estimate of what remains (every phase still to come), so the bar's "left" is the
-    current estimate, revised after each step.
+    current estimate, revised after each step; :meth:`doing` names the step under way.
     """
 
-    def __init__(self, desc: str, estimate: float) -> None:
+    def __init__(self, desc: str, estimate: float, doing: str = "") -> None:
         self.bar = tqdm(total=max(estimate, 1e-3), desc=desc, dynamic_ncols=True,
                         bar_format="{desc}: {percentage:3.0f}%|{bar:24}| {elapsed} elapsed{postfix}")
         self._last = time.perf_counter()
-        self._show(estimate, "")
+        self._left, self._doing = estimate, doing
+        self._show()
 
-    def _show(self, remaining: float, note: str) -> None:
-        left = tqdm.format_interval(round(max(remaining, 0.0)))
-        self.bar.set_postfix_str(f"about {left} left" + (f", {note}" if note else ""), refresh=True)
+    def _show(self) -> None:
+        left = tqdm.format_interval(round(max(self._left, 0.0)))
+        self.bar.set_postfix_str(f"about {left} left" + (f", {self._doing}" if self._doing else ""))
 
-    def step(self, remaining: float, note: str = "") -> None:
-        """One step done; ``remaining``: estimated seconds still to run; ``note``: what comes next."""
+    def doing(self, what: str) -> None:
+        """Show what runs now."""
+        self._doing = what
+        self._show()
+
+    def step(self, remaining: float) -> None:
+        """A step is done; ``remaining``: the estimated seconds still to run."""
         now = time.perf_counter()
         self.bar.update(now - self._last)
         self._last = now
         self.bar.total = self.bar.n + max(remaining, 0.0)
-        self._show(remaining, note)
+        self._left = remaining
+        self._show()
 
     def write(self, text: str) -> None:
         """Print a line above the bar."""

@@ -566,7 +566,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if "dataset" in data:
             _run.write_atomic(stem.with_suffix(".md"), markdown(data))
 
+    bar: _run.Progress | None = None
+
     def where() -> str:
+        if bar is not None:
+            bar.close()
         done = sum("recall@10@10" in r for r in data["rows"])
         return (f"{done} methods measured, saved in {stem}.json; resume with:\n  "
                 + _run.resume_command(os.path.relpath(__file__), argv, out_dir))
@@ -585,17 +589,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                            "notes": m.notes}) for m in methods]
         data["rows"] = [j.row for j in jobs]
         build_s: list[float] = []
-        bar = _run.Progress(label, PRIOR_DATA_S + estimate_left(jobs, args, len(queries), build_s))
+        bar = _run.Progress(label, PRIOR_DATA_S + estimate_left(jobs, args, len(queries), build_s), "ground truth")
         true = exact_scores(base, queries, truth(ds, base, queries)[:, :10], metric)
         data["dataset"] = {"name": label, "source": args.dataset, "n_base": len(base), "n_queries": len(queries),
                            "dim": base.shape[1], "metric": ds.metric, "search_metric": metric,
                            "unit_norm": unit_norm, "train_rows": len(train)}
         save()
-        bar.step(estimate_left(jobs, args, len(queries), build_s), "building")
+        bar.step(estimate_left(jobs, args, len(queries), build_s))
 
         def attempt(job: Job, step: str, fn: Any, *a: Any) -> None:
             """Run one step of a job; an exception marks the row failed (one broken baseline must not
             lose the others); then save and update the bar."""
+            bar.doing(f"{step} {job.method.name}")
             try:
                 t0 = time.perf_counter()
                 fn(job, *a)
@@ -606,7 +611,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 job.row["error"] = f"{type(e).__name__}: {e}"
                 job.method.index = None
             save()
-            bar.step(estimate_left(jobs, args, len(queries), build_s), f"{step} {job.method.name}")
+            bar.step(estimate_left(jobs, args, len(queries), build_s))
 
         for job in jobs:
             if job.needs(args) == "build":
@@ -621,9 +626,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for job in jobs:
             job.method.index = None
         data["complete"] = True
+        bar.doing("report")
         save()
         plotted = not args.no_plot and plot(data, stem.with_suffix(".png"))
-        bar.step(0.0, "done")
+        bar.step(0.0)
         bar.close()
     print("\n".join(summary_lines(data["summary"], args.threads)))
     print(f"wrote {stem}.json, .md" + (", .png" if plotted else ""))

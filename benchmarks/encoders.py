@@ -150,8 +150,15 @@ def fp4_ablation(quick: bool) -> list[dict]:
 
 
 def markdown(result: dict) -> str:
-    lines = [f"# Encoder comparison ({result['env']['cpu']}, {result['env']['threads']} threads)", ""]
+    """The results as markdown: a table per dataset, then the FP4 ablation."""
+    env = result["env"]
+    lines = [f"# Encoder comparison ({env['cpu']}, {env['threads']} threads)", "",
+             f"git {env['git_sha'][:10]}{' (dirty tree)' if env['git_dirty'] else ''}, torch "
+             f"{env['versions'].get('torch')}, faiss {env['versions'].get('faiss-cpu')}, {env['date_utc']}."
+             + ("" if result.get("complete") else " **Unfinished run.**"), ""]
     for ds, rows in result["datasets"].items():
+        if not rows:
+            continue
         lines += [f"## {ds} ({rows[0]['n']} unit vectors)", "",
                   f"IP slope: least-squares slope of estimated on true inner products (1: unbiased); IP bias "
                   f"{NEAR_PAIRS} NN: mean error of the estimates over each query's {NEAR_PAIRS} nearest base "

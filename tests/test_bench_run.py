@@ -1,6 +1,7 @@
 """The benchmark run protocol: run folders, interrupts that keep what was measured, resuming, and the
 bytes a baseline index holds."""
 
+import copy
 import importlib.util
 import json
 import subprocess
@@ -67,6 +68,8 @@ def test_resume_command_points_at_the_run_folder():
 def test_ctrl_c_keeps_what_was_measured_and_a_rerun_resumes(monkeypatch, tmp_path, capsys):
     import ann
 
+    env = ann.environment([1, 2])  # one code version for both runs, whatever else changes the tree meanwhile
+    monkeypatch.setattr(ann, "environment", lambda threads: copy.deepcopy(env))
     argv = ["--quick", "--methods", "^tq2$,^tq4$,pq-fs", "--no-plot", "--out", str(tmp_path)]
     measure, calls = ann.recall, []
 
