@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import re
 import socket
 import time
 import traceback
@@ -319,6 +320,19 @@ def _w_prefilled(rank: int, size: int) -> tuple:
     raise AssertionError("shards sharing ids 7 and 8 were accepted")
 
 
+def _w_readme(rank: int, size: int, path: str) -> tuple:
+    """The README's sharding example, run on every rank in ``path``."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "ShardedIndex(" in b]
+    here, scope = os.getcwd(), {}
+    os.chdir(path)
+    try:
+        exec(compile(block, "README.md", "exec"), scope)
+    finally:
+        os.chdir(here)
+    return scope["I"][:, 0].tolist(), scope["index"].ntotal, scope["index"].shard_sizes, scope["D"].shape
+
+
 def _w_exit(rank: int, size: int) -> tuple[float, str]:
     """Rank 1 raises out of the program (its process exits); rank 0 is searching."""
     index = _sharded(rank, [30, 30])
@@ -505,6 +519,12 @@ def test_prefilled_shards(world2: World) -> None:
         assert ntotal == 20
         assert_same(got, want.search(QUERIES, 8))
         assert "unique across ranks" in message and "[7, 8]" in message
+
+
+def test_readme_example_runs(world2: World, tmp_path: Path) -> None:
+    for first, ntotal, sizes, shape in world2.run(_w_readme, str(tmp_path)):
+        assert first == [0, 1, 2, 3, 4] and ntotal == 20_000 and sizes == [10_000, 10_000] and shape == (5, 10)
+    assert read_manifest(tmp_path / "shards")["world_size"] == 2
 
 
 def test_a_rank_that_exits_makes_the_others_raise() -> None:
