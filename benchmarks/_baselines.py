@@ -34,7 +34,7 @@ faiss details this module handles:
   FastScan); ``qb=0`` keeps them in float (measured: same recall, several times slower).
 - turbovec needs d to be a multiple of 8 (zero-padded here), supports 2 and 4 bits, and sizes its
   thread pool (rayon) once per process from ``RAYON_NUM_THREADS``: its timings at a given thread count
-  run in a child process.
+  run in a child process started for that thread count and kept for later timings.
 
 Memory: faiss and turbovec indexes are measured by their serialized size (``faiss.serialize_index``,
 ``TurboQuantIndex.to_bytes``), which writes the arrays the index holds (codes, ids where the index
