@@ -1,0 +1,76 @@
+"""The GPU encoder (Triton; the CPU interpreter without a GPU) against the PyTorch reference."""
+
+import pytest
+import torch
+
+import tqindex as tq
+from conftest import DEVICE, needs_triton
+from tqindex.directions import encode_directions, encode_directions_reference, search_alphas
+from tqindex.packing import packed_size, unpack
+
+pytestmark = needs_triton
+
+
+def levels(qdata: torch.Tensor, runs) -> torch.Tensor:
+    """The code levels c [N, coded coordinates] of packed rows."""
+    parts, byte = [], 0
+    for run in runs:
+        if run.bits:
+            parts.append(run.centroids[unpack(qdata[:, byte : byte + run.nbytes], run.bits, run.width).long()])
+            byte += run.nbytes
+    return torch.cat(parts, 1)
+
+
+def check(enc: tq.Encoder, x: torch.Tensor) -> None:
+    rotation, runs = enc._rotation(x.device), enc.code_runs(x.device)
+    alphas = search_alphas(enc.code_search if getattr(enc, "bits", 2) > 1 else 1, x.device)
+    qdata, norm, dot, sq = encode_directions(x, rotation, runs, alphas, "triton")
+    ref_q, ref_norm, _, _ = encode_directions_reference(x.cpu(), enc._rotation(torch.device("cpu")), enc.code_runs(),
+                                                        alphas.cpu())
+    qdata, norm, dot, sq = (t.cpu() for t in (qdata, norm, dot, sq))
+    assert qdata.shape == ref_q.shape == (len(x), sum(r.nbytes for r in runs)) and qdata.dtype == torch.uint8
+    y = rotation.apply(x).cpu()
+    u = y / y.norm(dim=1, keepdim=True).clamp_min(1e-30)
+    cols = torch.cat([torch.arange(r.width) + sum(s.width for s in runs[:i]) for i, r in enumerate(runs) if r.bits])
+    u = u[:, cols]
+    c, ref_c = levels(qdata, enc.code_runs()), levels(ref_q, enc.code_runs())
+    cos, ref_cos = (u * c).sum(1) / c.norm(dim=1), (u * ref_c).sum(1) / ref_c.norm(dim=1)
+    # the same code except where float rounding decides between pre-scales of (nearly) equal cosine: with
+    # 8-bit codes every pre-scale's cosine is 1 to about 1e-6, so the choice is a near tie in many rows
+    bits = max(r.bits for r in runs)
+    assert (qdata == ref_q).all(1).float().mean() > (0.97 if bits <= 4 else 0.7)
+    assert (cos >= ref_cos - 1e-5).all()
+    torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dot, (u * c).sum(1), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(sq, c.square().sum(1), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name, dim, n", [
+    ("tq4", 64, 129), ("tq4", 50, 127), ("tq2", 130, 1), ("tq1", 60, 40), ("tq3", 50, 129), ("tq3", 45, 33),
+    ("tq8", 64, 20), ("tq4", 384, 33), ("tq2", 1536, 9), ("tq4", 2048, 5), ("tq4-norm", 128, 65),
+])
+def test_codes_equal_the_reference(name, dim, n):
+    x = torch.randn(n, dim, generator=torch.Generator().manual_seed(dim + n))
+    x[0] = 0  # a zero row: zero norm, every code the same
+    check(tq.make_encoder(name, dim), x.to(DEVICE))
+
+
+def test_trained_runs_of_several_widths():
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(300, 48, generator=g) * torch.exp(-torch.arange(48) / 8)).to(DEVICE)
+    enc = tq.make_encoder("tq2-pca", 48)
+    enc.train(x.cpu())
+    assert len([r for r in enc.code_runs() if r.bits]) > 1
+    check(enc, x[:129])
+
+
+def test_index_on_the_device_encodes_with_the_kernel():
+    x = torch.randn(200, 64, generator=torch.Generator().manual_seed(9))
+    index = tq.FlatIndex(tq.make_encoder("tq4", 64), device=DEVICE, backend="triton")
+    index.add(x.to(DEVICE))
+    ref = tq.FlatIndex(tq.make_encoder("tq4", 64), backend="torch")
+    ref.add(x)
+    D, I = index.search(x[:5].to(DEVICE), 5)
+    D0, I0 = ref.search(x[:5], 5)
+    assert (I.cpu() == I0).float().mean() > 0.95 and (I.cpu()[:, 0] == torch.arange(5)).all()
+    assert index.memory_bytes() == 200 * (packed_size(64, 4) + 2) + index._fixed_bytes()

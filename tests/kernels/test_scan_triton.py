@@ -1,0 +1,91 @@
+"""The GPU scan (Triton; the CPU interpreter without a GPU) against the PyTorch reference scan."""
+
+import numpy as np
+import pytest
+import torch
+
+import tqindex as tq
+from conftest import DEVICE, needs_triton
+
+pytestmark = needs_triton
+
+
+def data(n: int, dim: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, dim, generator=g) * torch.empty(n, 1).uniform_(0.5, 2.0, generator=g)
+
+
+def same_up_to_ties(D, I, D0, I0, rtol=1e-5):
+    D, I, D0, I0 = (t.cpu().numpy() if isinstance(t, torch.Tensor) else t for t in (D, I, D0, I0))
+    np.testing.assert_array_equal(I == -1, I0 == -1)
+    np.testing.assert_allclose(D, D0, rtol=rtol, atol=1e-5 * np.abs(D0[np.isfinite(D0)]).max(initial=1))
+    assert (I == I0).mean() > 0.97  # equal up to exact ties
+
+
+def flat(name: str, dim: int, metric: str, x: torch.Tensor) -> tq.FlatIndex:
+    index = tq.index_factory(dim, name, metric=metric, device=DEVICE, backend="torch")
+    index.train(x)
+    index.add(x)  # the reference codes: the scans are compared on the same codes
+    return index
+
+
+@pytest.mark.parametrize("name, dim, n, nq, metric", [
+    ("tq4", 64, 129, 3, "ip"),
+    ("tq4", 50, 127, 17, "l2"),
+    ("tq2", 130, 129, 1, "cosine"),
+    ("tq1", 60, 300, 2, "ip"),
+    ("tq3", 50, 129, 5, "l2"),
+    ("tq8", 64, 70, 2, "ip"),
+    ("tq2-pca", 48, 200, 4, "l2"),
+    ("tq4", 384, 65, 2, "ip"),
+])
+def test_flat_scan_equals_the_reference(name, dim, n, nq, metric):
+    x, q = data(n, dim, 1).to(DEVICE), data(nq, dim, 2).to(DEVICE)
+    index = flat(name, dim, metric, x)
+    for k in (1, 10, n + 5):  # k beyond n pads with -1
+        D0, I0 = index.search(q, k)
+        index.backend = "triton"
+        D, I = index.search(q, k)
+        index.backend = "torch"
+        same_up_to_ties(D, I, D0, I0)
+
+
+@pytest.mark.parametrize("decode", [0, 1])
+def test_decodes_agree(decode):
+    from tqindex.kernels.scan_triton import TritonScorer
+    from tqindex.topk import make_topk
+
+    enc = tq.make_encoder("tq4", 64)
+    x, q = data(150, 64, 3).to(DEVICE), data(4, 64, 4).to(DEVICE)
+    codes, qr = enc.encode(x), enc.rotate(q)
+    top = make_topk(4, 8, DEVICE)
+    TritonScorer(enc, qr, False, decode=decode).push(codes, 0, top)
+    ref = make_topk(4, 8, DEVICE)
+    tq.scorer.DecodeScorer(enc, qr, False).push(codes, 0, ref)
+    same_up_to_ties(*top.result(), *ref.result())
+
+
+def test_filtered_and_explicit_ids():
+    x, q = data(200, 64, 5).to(DEVICE), data(3, 64, 6).to(DEVICE)
+    index = tq.FlatIndex(tq.make_encoder("tq4", 64), device=DEVICE, backend="torch")
+    index.add(x, ids=torch.arange(200) * 3 + 1)
+    out = []
+    for backend in ("triton", "torch"):
+        index.backend = backend
+        out.append(index.search(q, 20, allow=torch.arange(0, 600, 2) + 1))
+    same_up_to_ties(*out[0], *out[1])
+    assert (out[0][1][out[0][1] >= 0] % 6 == 1).all()
+
+
+@pytest.mark.parametrize("metric", ["ip", "l2"])
+def test_ivf_scan_equals_the_reference(metric):
+    x, q = data(600, 32, 7), data(9, 32, 8)
+    index = tq.IVFIndex(tq.make_encoder("tq4", 32), 8, metric=metric, nprobe=3, device=DEVICE, backend="torch")
+    index.train(x)
+    index.add(x.to(DEVICE), ids=torch.arange(600) + 1000)
+    index.remove_ids(torch.arange(1000, 1100))
+    out = []
+    for backend in ("triton", "torch"):
+        index.backend = backend
+        out.append(index.search(q.to(DEVICE), 15))
+    same_up_to_ties(*out[0], *out[1])

@@ -1,0 +1,246 @@
+"""GPU encoding of direction codes (TurboQuantMSE, TurboQuantPCA) in one kernel, in Triton.
+
+A persistent program takes blocks of BLOCK_N rows and, for each plane of each run (``planes.py``),
+computes that plane of the rotated rows ``y = R x`` as one MMA with the rotation's matching rows (fp32
+accuracy: three tf32 MMAs on GPUs) into its own scratch rows (in L2), so no register slicing is needed
+and each MMA runs once. Two passes over the planes follow:
+
+1. the direction search: for every pre-scale alpha, the magnitude index of each coordinate of
+   ``|u| = |y| / ||x||`` is the number of the codebook's positive boundaries below ``alpha |u|``
+   (compared with ``boundary / alpha``, precomputed), and ``<u, c>`` and ``||c||²`` are summed per row;
+   the best alpha maximizes ``<u, c> / ||c||`` (the first on ties);
+2. the codes for that alpha (``2^(b-1) + m`` for positive coordinates, ``2^(b-1) - 1 - m`` for the
+   others), packed: the planes of a group are shifted into one byte (three bytes for 3-bit codes) and
+   stored.
+
+It returns what :func:`tqindex.directions.encode_directions_reference` returns: packed codes, ``||y||``,
+``<u, c>`` and ``||c||²`` of the chosen code. Large-dim Hadamard rotations are applied first by torch's
+butterflies (``ROTATE=False`` then reads the rotated rows' planar columns directly).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any, Sequence
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .planes import RunLayout, plane_coordinates, plane_width, run_layouts, to_planes
+
+BLOCK_N = 32
+"""Rows per program."""
+BLOCK_K = 32
+"""Input coordinates per MMA step of the rotation (tf32x3 operands of 64 spill registers at d = 128)."""
+MAX_ALPHAS = 8
+PROGRAMS_PER_SM = 4
+NUM_WARPS = 8
+
+
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@triton.jit
+def _magnitude(m, MAG, H: tl.constexpr):
+    """``MAG[m]`` for indices m < H by a select tree (H <= 8) or a gather."""
+    if H == 1:
+        v = tl.zeros(m.shape, tl.float32) + tl.load(MAG)
+    elif H > 8:
+        v = tl.load(MAG + m)
+    else:
+        b0 = (m & 1) != 0
+        v = tl.where(b0, tl.load(MAG + 1), tl.load(MAG))
+        if H >= 4:
+            v23 = tl.where(b0, tl.load(MAG + 3), tl.load(MAG + 2))
+            v = tl.where((m & 2) != 0, v23, v)
+            if H == 8:
+                v45 = tl.where(b0, tl.load(MAG + 5), tl.load(MAG + 4))
+                v67 = tl.where(b0, tl.load(MAG + 7), tl.load(MAG + 6))
+                v47 = tl.where((m & 2) != 0, v67, v45)
+                v = tl.where((m & 4) != 0, v47, v)
+    return v
+
+
+@triton.jit
+def _rotate_run(Y, X, RP, rows, rmask, d, pw, R: tl.constexpr, DK: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """Write the planes of one run of the rotated rows, ``X @ RP[:, cols]``, to the program's scratch rows
+    of Y [BLOCK_N, pw] (float32)."""
+    P: tl.constexpr = R[2]
+    GP: tl.constexpr = R[4]
+    STEP: tl.constexpr = R[5]
+    for p in tl.static_range(P):
+        for g0 in tl.static_range(0, GP, STEP):
+            cols = R[7] + p * GP + g0 + tl.arange(0, STEP)
+            y = tl.zeros((BLOCK_N, STEP), tl.float32)
+            for k0 in tl.static_range(0, DK, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                xk = tl.load(X + rows[:, None].to(tl.int64) * d + k[None, :],
+                             mask=rmask[:, None] & (k[None, :] < d), other=0.0)
+                rk = tl.load(RP + k[:, None] * pw + cols[None, :], mask=k[:, None] < d, other=0.0)
+                y = tl.dot(xk, rk, y, input_precision=PRECISION)
+            tl.store(Y + tl.arange(0, BLOCK_N)[:, None] * pw + cols[None, :], y)
+
+
+@triton.jit
+def _search_run(dots, sqs, Y, ystride, yrows, rmask, inv, MAG, BND, ALPHAS, R: tl.constexpr, A: tl.constexpr,
+                AP: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Add one run's <u, c> and ||c||² of every pre-scale to dots / sqs [BLOCK_N, AP]; the run's planes are
+    read from Y (rows ``yrows``, row stride ``ystride``)."""
+    H: tl.constexpr = 1 << (R[0] - 1)
+    P: tl.constexpr = R[2]
+    GP: tl.constexpr = R[4]
+    STEP: tl.constexpr = R[5]
+    acol = tl.arange(0, AP)[None, :]
+    for p in tl.static_range(P):
+        for g0 in tl.static_range(0, GP, STEP):
+            g = g0 + tl.arange(0, STEP)
+            valid = rmask[:, None] & ((g * P + p) < R[10])[None, :]
+            y = tl.load(Y + yrows[:, None] * ystride + R[7] + p * GP + g[None, :], mask=valid, other=0.0)
+            u = tl.abs(y) * inv[:, None]
+            for a in range(A):  # not unrolled: one pre-scale's temporaries at a time
+                alpha = tl.load(ALPHAS + a)
+                m = tl.zeros((BLOCK_N, STEP), tl.int32)
+                for j in range(H - 1):
+                    m += (u * alpha > tl.load(BND + R[9] + j)).to(tl.int32)
+                mag = _magnitude(m, MAG + R[9], H)
+                dot = tl.sum(tl.where(valid, u * mag, 0.0), axis=1)
+                sq = tl.sum(tl.where(valid, mag * mag, 0.0), axis=1)
+                dots = tl.where(acol == a, dots + dot[:, None], dots)
+                sqs = tl.where(acol == a, sqs + sq[:, None], sqs)
+    return dots, sqs
+
+
+@triton.jit
+def _emit_run(dot, sq, Y, ystride, yrows, rows, rmask, inv, alpha, MAG, BND, OUT, row_bytes, R: tl.constexpr,
+              BLOCK_N: tl.constexpr):
+    """Codes of one run at the chosen pre-scales (alpha [BLOCK_N]), packed and stored; their <u, c> and
+    ||c||² added to dot / sq [BLOCK_N]."""
+    BITS: tl.constexpr = R[0]
+    GB: tl.constexpr = R[1]
+    H: tl.constexpr = 1 << (BITS - 1)
+    P: tl.constexpr = R[2]
+    GP: tl.constexpr = R[4]
+    STEP: tl.constexpr = R[5]
+    for g0 in tl.static_range(0, GP, STEP):
+        g = g0 + tl.arange(0, STEP)
+        word = tl.zeros((BLOCK_N, STEP), tl.int32)
+        for p in tl.static_range(P):
+            valid = rmask[:, None] & ((g * P + p) < R[10])[None, :]
+            v = tl.load(Y + yrows[:, None] * ystride + R[7] + p * GP + g[None, :], mask=valid, other=0.0) * inv[:, None]
+            u = tl.abs(v)
+            m = tl.zeros((BLOCK_N, STEP), tl.int32)
+            for j in range(H - 1):
+                m += (u * alpha[:, None] > tl.load(BND + R[9] + j)).to(tl.int32)
+            mag = _magnitude(m, MAG + R[9], H)
+            dot += tl.sum(tl.where(valid, u * mag, 0.0), axis=1)
+            sq += tl.sum(tl.where(valid, mag * mag, 0.0), axis=1)
+            code = tl.where(v > 0, H + m, H - 1 - m)
+            word = word | tl.where(valid, code << (p * BITS), 0)
+        base = OUT + rows[:, None].to(tl.int64) * row_bytes + R[6] + g[None, :] * GB
+        for b in tl.static_range(GB):  # the bytes of each group
+            ok = rmask[:, None] & ((g * GB + b) < R[8])[None, :]
+            tl.store(base + b, ((word >> (8 * b)) & 0xFF).to(tl.uint8), mask=ok)
+    return dot, sq
+
+
+@triton.jit
+def _encode_kernel(X, XN, RP, SCRATCH, n, d, pw, MAG, BND, ALPHAS, OUT, row_bytes, NORM, DOT, SQ,
+                   R0: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr, A: tl.constexpr, AP: tl.constexpr,
+                   ROTATE: tl.constexpr, DK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    """Persistent program over row blocks pid, pid + programs, ... of X [n, d] (ROTATE: planes computed
+    into the program's SCRATCH rows [BLOCK_N, pw]) or of the rotated planar rows X [n, pw]; XN [n, d]: the
+    rows as given, whose norm ||x|| = ||y|| is taken."""
+    pid, programs = tl.program_id(0), tl.num_programs(0)
+    for blk in range(pid, tl.cdiv(n, BLOCK_N), programs):
+        rows = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+        rmask = rows < n
+        ss = tl.zeros((BLOCK_N,), tl.float32)
+        for k0 in tl.static_range(0, DK, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            xk = tl.load(XN + rows[:, None].to(tl.int64) * d + k[None, :], mask=rmask[:, None] & (k[None, :] < d),
+                         other=0.0)
+            ss += tl.sum(xk * xk, axis=1)
+        norm = tl.sqrt(ss)
+        inv = 1.0 / tl.where(norm > 0, norm, 1.0)
+        if ROTATE:
+            Y = SCRATCH + pid * BLOCK_N * pw
+            yrows = tl.arange(0, BLOCK_N).to(tl.int64)
+            tl.debug_barrier()  # the previous block's reads of the scratch rows are done
+            _rotate_run(Y, X, RP, rows, rmask, d, pw, R0, DK, BLOCK_N, BLOCK_K, PRECISION)
+            if R1[3] > 0:
+                _rotate_run(Y, X, RP, rows, rmask, d, pw, R1, DK, BLOCK_N, BLOCK_K, PRECISION)
+            if R2[3] > 0:
+                _rotate_run(Y, X, RP, rows, rmask, d, pw, R2, DK, BLOCK_N, BLOCK_K, PRECISION)
+            tl.debug_barrier()  # the planes are written
+        else:
+            Y = X
+            yrows = rows.to(tl.int64)
+        dots = tl.zeros((BLOCK_N, AP), tl.float32)
+        sqs = tl.zeros((BLOCK_N, AP), tl.float32)
+        dots, sqs = _search_run(dots, sqs, Y, pw, yrows, rmask, inv, MAG, BND, ALPHAS, R0, A, AP, BLOCK_N)
+        if R1[3] > 0:
+            dots, sqs = _search_run(dots, sqs, Y, pw, yrows, rmask, inv, MAG, BND, ALPHAS, R1, A, AP, BLOCK_N)
+        if R2[3] > 0:
+            dots, sqs = _search_run(dots, sqs, Y, pw, yrows, rmask, inv, MAG, BND, ALPHAS, R2, A, AP, BLOCK_N)
+        acol = tl.arange(0, AP)[None, :]
+        cos = tl.where(acol < A, dots / tl.sqrt(tl.maximum(sqs, 1e-30)), float("-inf"))
+        best = tl.argmax(cos, axis=1)  # the first of equal maxima
+        alpha = tl.load(ALPHAS + best)
+        dot = tl.zeros((BLOCK_N,), tl.float32)
+        sq = tl.zeros((BLOCK_N,), tl.float32)
+        dot, sq = _emit_run(dot, sq, Y, pw, yrows, rows, rmask, inv, alpha, MAG, BND, OUT, row_bytes, R0, BLOCK_N)
+        if R1[3] > 0:
+            dot, sq = _emit_run(dot, sq, Y, pw, yrows, rows, rmask, inv, alpha, MAG, BND, OUT, row_bytes, R1,
+                                BLOCK_N)
+        if R2[3] > 0:
+            dot, sq = _emit_run(dot, sq, Y, pw, yrows, rows, rmask, inv, alpha, MAG, BND, OUT, row_bytes, R2,
+                                BLOCK_N)
+        tl.store(NORM + rows, norm, mask=rmask)
+        tl.store(DOT + rows, dot, mask=rmask)
+        tl.store(SQ + rows, sq, mask=rmask)
+
+
+@lru_cache(maxsize=32)
+def _planar_rotation(rotation: Any, layouts: tuple[RunLayout, ...]) -> Tensor:
+    """The rotation's rows in planar order as MMA operand: float32 [dim, plane_width] (zero columns where
+    padded), cached per rotation object."""
+    coords = plane_coordinates(layouts, rotation.dim).to(rotation.matmul_matrix.device)
+    r = torch.nn.functional.pad(rotation.matmul_matrix.float(), (0, 0, 0, 1))  # a zero row for padding
+    return r[coords].T.contiguous()
+
+
+def encode_directions_triton(x: Tensor, rotation: Any, runs: Sequence[Any], alphas: Tensor
+                             ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`tqindex.directions.encode_directions` by the GPU kernel (module notes): x float32 [N, d]
+    -> (qdata uint8 [N, bytes], ||y|| [N], <u, c> [N], ||c||² [N])."""
+    layouts, mags, bounds = run_layouts(runs)
+    if len(alphas) > MAX_ALPHAS:
+        raise ValueError(f"the GPU encoder tries at most {MAX_ALPHAS} pre-scales, got {len(alphas)}")
+    device, (n, d) = x.device, x.shape
+    pw = plane_width(layouts)
+    x = x.float().contiguous()
+    rotate = rotation.matmul_matrix is not None
+    blocks = triton.cdiv(n, BLOCK_N)
+    programs = min(blocks, PROGRAMS_PER_SM * _sms(device)) if device.type == "cuda" else blocks
+    if rotate:
+        src, rp = x, _planar_rotation(rotation, tuple(layouts))
+        scratch = torch.empty(max(programs, 1), BLOCK_N, pw, device=device)
+    else:  # identity, or a large Hadamard applied by torch first: the rotated rows' planes are read directly
+        src = to_planes(rotation.apply(x), layouts).contiguous()
+        rp = scratch = src  # not read
+    row_bytes = sum(r.nbytes for r in runs)
+    qdata = torch.empty(n, row_bytes, dtype=torch.uint8, device=device)
+    norm, dot, sq = (torch.empty(n, device=device) for _ in range(3))
+    if n:
+        _encode_kernel[(programs,)](
+            src, x, rp, scratch, n, d, pw, mags.to(device), bounds.to(device), alphas.float().contiguous().to(device), qdata,
+            row_bytes, norm, dot, sq, R0=tuple(layouts[0]), R1=tuple(layouts[1]), R2=tuple(layouts[2]),
+            A=len(alphas), AP=max(2, triton.next_power_of_2(len(alphas))), ROTATE=rotate,
+            DK=triton.cdiv(d, BLOCK_K) * BLOCK_K, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+            PRECISION="tf32x3" if device.type == "cuda" else "ieee", num_warps=NUM_WARPS)
+    return qdata, norm, dot, sq

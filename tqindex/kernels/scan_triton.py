@@ -1,0 +1,533 @@
+"""GPU scan of direction codes (TurboQuantMSE, TurboQuantPCA) with a fused top-k, in Triton.
+
+One kernel body serves a flat scan (:func:`_flat_scan_kernel`: programs over query blocks x row splits)
+and IVF lists (:func:`_lists_scan_kernel`: one program per list and block of the queries probing it,
+list buffers reached through a table of pointers). A program decodes a tile of BLOCK_N code rows in
+registers, multiplies it with its BLOCK_Q queries on the tensor cores (f16 operands, f32 accumulation;
+vectors on the MMA's M dimension, so few queries waste nothing), applies the per-vector scale (and
+``-||x̂||²`` for "l2") to the score tile and keeps a running top-KT of every query column by repeated
+extraction of the tile's column maximum while it beats the column's current KT-th best. The full
+[queries, rows] score matrix is never written: each program writes KT candidates per query.
+
+Decoding, per run of the code (``CodeRun``): a run of b-bit codes is read in groups (one byte for b = 1,
+2, 4, 8; three bytes of eight codes for b = 3) and split into *planes*: plane p holds code p of every
+group, so the query is reordered once on the host (``planar queries``) and each plane is one MMA of
+K = groups. Levels: codebooks are symmetric (level(c) = -level(2^b - 1 - c)), so a code is a sign and a
+magnitude index; ``DECODE`` picks how the magnitude is found: 0 a gather from a small table, 1 a select
+tree over the magnitude bits (any device, also Triton's interpreter), 2 (4-bit runs, CUDA only) inline
+PTX ``prmt`` byte permutes from four registers holding the eight f16 magnitudes, eight codes per
+instruction sequence.
+
+The candidates are then re-scored exactly (float32, the encoder's decode) on the host side, so scores and
+the final top-k equal the reference scan's (:class:`~tqindex.scorer.DecodeScorer`) up to exact ties.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..codes import Codes
+from ..scorer import CodeRunList, Scorer, _labels
+from ..topk import TopK
+from .planes import RunLayout, run_layouts, to_planes
+
+BLOCK_N = 64
+"""Code rows per tile (the MMA's M dimension)."""
+MAX_BLOCK_Q = 64
+"""Queries per program at most (the MMA's N dimension; at least 16)."""
+PROGRAMS_PER_SM = 4
+NUM_WARPS = 8
+"""Warps per program: with 4, the score tile, the decoded planes and the top-k state spill registers."""
+DECODE_GATHER, DECODE_SELECT, DECODE_PRMT = 0, 1, 2
+
+
+# --------------------------------------------------------------------------------------------------
+# device helpers
+
+
+@triton.jit
+def _magnitude(m, MAG, H: tl.constexpr):
+    """Magnitude ``MAG[m]`` of indices m < H (H = 1, 2, 4, 8 or 128) by a select tree (H <= 8) or a gather."""
+    if H == 1:
+        v = tl.zeros(m.shape, tl.float32) + tl.load(MAG)
+    elif H > 8:
+        v = tl.load(MAG + m)
+    else:
+        b0 = (m & 1) != 0
+        v = tl.where(b0, tl.load(MAG + 1), tl.load(MAG))
+        if H >= 4:
+            v23 = tl.where(b0, tl.load(MAG + 3), tl.load(MAG + 2))
+            v = tl.where((m & 2) != 0, v23, v)
+            if H == 8:
+                v45 = tl.where(b0, tl.load(MAG + 5), tl.load(MAG + 4))
+                v67 = tl.where(b0, tl.load(MAG + 7), tl.load(MAG + 6))
+                v47 = tl.where((m & 2) != 0, v67, v45)
+                v = tl.where((m & 4) != 0, v47, v)
+    return v
+
+
+@triton.jit
+def _level(code, MAG, BITS: tl.constexpr, DECODE: tl.constexpr):
+    """Level of b-bit codes (int32) of a symmetric codebook with magnitudes MAG (ascending), as f16."""
+    H: tl.constexpr = 1 << (BITS - 1)
+    neg = code < H
+    m = tl.where(neg, H - 1 - code, code - H)
+    if DECODE == 0:
+        mag = tl.load(MAG + m)
+    else:
+        mag = _magnitude(m, MAG, H)
+    return tl.where(neg, -mag, mag).to(tl.float16)
+
+
+PRMT_ASM = tl.constexpr("""
+{
+.reg .b32 w, n, t, m, ml, mh, x, sl, sh, ll, hl, lh, hh, s, z;
+mov.b32 z, 0;
+mov.b32 w, $4;
+not.b32 n, w;
+shr.u32 n, n, 3;
+and.b32 n, n, 0x11111111;
+mul.lo.u32 t, n, 7;
+xor.b32 m, w, t;
+and.b32 ml, m, 0x07070707;
+shr.u32 mh, m, 4;
+and.b32 mh, mh, 0x07070707;
+shr.u32 x, ml, 4;
+or.b32 x, x, ml;
+prmt.b32 ml, x, z, 0x0020;
+shr.u32 x, mh, 4;
+or.b32 x, x, mh;
+prmt.b32 mh, x, z, 0x0020;
+prmt.b32 ll, $5, $9, ml;
+prmt.b32 hl, $13, $17, ml;
+prmt.b32 lh, $5, $9, mh;
+prmt.b32 hh, $13, $17, mh;
+not.b32 sl, w;
+shl.b32 sl, sl, 4;
+and.b32 sl, sl, 0x80808080;
+not.b32 sh, w;
+and.b32 sh, sh, 0x80808080;
+prmt.b32 $0, ll, hl, 0x5140;
+prmt.b32 s, sl, z, 0x1404;
+xor.b32 $0, $0, s;
+prmt.b32 $1, ll, hl, 0x7362;
+prmt.b32 s, sl, z, 0x3424;
+xor.b32 $1, $1, s;
+prmt.b32 $2, lh, hh, 0x5140;
+prmt.b32 s, sh, z, 0x1404;
+xor.b32 $2, $2, s;
+prmt.b32 $3, lh, hh, 0x7362;
+prmt.b32 s, sh, z, 0x3424;
+xor.b32 $3, $3, s;
+}
+""")
+"""PTX of :func:`_nibble_levels`: the four code bytes of $4 -> f16 levels of their low nibbles ($0: bytes
+0 and 1, $1: bytes 2 and 3) and high nibbles ($2, $3). $5/$9 hold the low bytes and $13/$17 the high
+bytes of the eight f16 magnitudes (ascending). Per nibble c: negative when bit 3 is clear (n = 1), the
+magnitude index is (c ^ 7n) & 7; the indices of the low (high) nibbles are packed into one prmt
+selector, which looks up the low and high bytes of four magnitudes at once; byte pairs are interleaved
+into f16 pairs and the sign bits of negative codes set by a xor."""
+
+
+PRMT_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 17))  # 4 outputs; $4; 4 x 4 table words
+
+
+@triton.jit
+def _nibble_levels(byte, T0, T1, T2, T3):
+    """f16 levels of the low and high nibbles of uint8 ``byte`` (4-bit codes) by prmt lookups (CUDA)."""
+    zero = 0 * byte.to(tl.int32)
+    lo, hi = tl.inline_asm_elementwise(
+        asm=PRMT_ASM, constraints=PRMT_CONSTRAINTS,
+        args=[byte, T0 + zero, T1 + zero, T2 + zero, T3 + zero],
+        dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    return lo, hi
+
+
+@triton.jit
+def _plane_levels(grp, p: tl.constexpr, MAG, BITS: tl.constexpr, DECODE: tl.constexpr):
+    """Levels of plane ``p`` (code p of each group) of int32 groups ``grp``."""
+    code = (grp >> (p * BITS)) & ((1 << BITS) - 1)
+    return _level(code, MAG, BITS, DECODE)
+
+
+@triton.jit
+def _run_scores(acc, sq, rows, rmask, CODES, row_bytes, QP, qw, qcols, qmask, MAG,
+                BITS: tl.constexpr, GB: tl.constexpr, P: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                BK: tl.constexpr, BOFF: tl.constexpr, QOFF: tl.constexpr, NBYTES: tl.constexpr,
+                W: tl.constexpr, L2: tl.constexpr, DECODE: tl.constexpr, T0, T1, T2, T3):
+    """Add one run's contribution to the score tile acc [BLOCK_N, BLOCK_Q] (and its squared levels to sq)."""
+    for k0 in tl.static_range(0, GP, BK):
+        g = k0 + tl.arange(0, BK)  # groups of this step
+        gmask = rmask[:, None] & (g[None, :] < G)
+        base = CODES + rows[:, None].to(tl.int64) * row_bytes + BOFF + g[None, :] * GB  # [BLOCK_N, BK]
+        if GB == 3:
+            b0 = tl.load(base, mask=gmask & (g[None, :] * 3 < NBYTES), other=0).to(tl.int32)
+            b1 = tl.load(base + 1, mask=gmask & (g[None, :] * 3 + 1 < NBYTES), other=0).to(tl.int32)
+            b2 = tl.load(base + 2, mask=gmask & (g[None, :] * 3 + 2 < NBYTES), other=0).to(tl.int32)
+            grp = b0 | (b1 << 8) | (b2 << 16)
+        else:
+            byte = tl.load(base, mask=gmask, other=0)
+            grp = byte.to(tl.int32)
+        if DECODE == 2 and BITS == 4:
+            lo, hi = _nibble_levels(byte, T0, T1, T2, T3)
+        for p in tl.static_range(P):
+            if DECODE == 2 and BITS == 4:
+                v = lo if p == 0 else hi
+            else:
+                v = _plane_levels(grp, p, MAG, BITS, DECODE)
+            v = tl.where(gmask & (g[None, :] * P + p < W), v, 0.0).to(tl.float16)  # coordinates of the run only
+            q = tl.load(QP + qcols[None, :] * qw + QOFF + p * GP + g[:, None],
+                        mask=qmask[None, :], other=0.0)  # [BK, BLOCK_Q]
+            acc = tl.dot(v, q, acc)
+            if L2:
+                vf = v.to(tl.float32)
+                sq += tl.sum(vf * vf, axis=1)
+    return acc, sq
+
+
+@triton.jit
+def _tile_scores(rows, n, CODES, NORM, row_bytes, QP, qw, qcols, qmask, QSCALE, MAG,
+                 R0: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr, L2: tl.constexpr,
+                 DECODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr, T):
+    """Scores [BLOCK_N, BLOCK_Q] f32 of code rows ``rows`` (masked rows: -inf). R0..R2: the runs'
+    :class:`RunLayout` tuples; a run of 0 groups is absent."""
+    rmask = rows < n
+    acc = tl.zeros((BLOCK_N, BLOCK_Q), tl.float32)
+    sq = tl.zeros((BLOCK_N,), tl.float32)
+    acc, sq = _run_scores(acc, sq, rows, rmask, CODES, row_bytes, QP, qw, qcols, qmask, MAG + R0[9],
+                          R0[0], R0[1], R0[2], R0[3], R0[4], R0[5], R0[6], R0[7], R0[8], R0[10], L2,
+                          DECODE,
+                          T[0], T[1], T[2], T[3])
+    if R1[3] > 0:
+        acc, sq = _run_scores(acc, sq, rows, rmask, CODES, row_bytes, QP, qw, qcols, qmask, MAG + R1[9],
+                              R1[0], R1[1], R1[2], R1[3], R1[4], R1[5], R1[6], R1[7], R1[8], R1[10], L2,
+                          DECODE,
+                              T[4], T[5], T[6], T[7])
+    if R2[3] > 0:
+        acc, sq = _run_scores(acc, sq, rows, rmask, CODES, row_bytes, QP, qw, qcols, qmask, MAG + R2[9],
+                              R2[0], R2[1], R2[2], R2[3], R2[4], R2[5], R2[6], R2[7], R2[8], R2[10], L2,
+                          DECODE,
+                              T[8], T[9], T[10], T[11])
+    s = tl.load(NORM + rows, mask=rmask, other=0.0).to(tl.float32)
+    qs = tl.load(QSCALE + qcols, mask=qmask, other=1.0)
+    score = acc * s[:, None] * qs[None, :]
+    if L2:
+        score = score - (s * s * sq)[:, None]
+    return tl.where(rmask[:, None], score, float("-inf"))
+
+
+@triton.jit
+def _insert(vals, idx, score, rows, KT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Merge a score tile [BLOCK_N, BLOCK_Q] (row numbers ``rows``) into the running top-KT of each column
+    (vals, idx [KT, BLOCK_Q]): the column maximum moves in while it beats the column's KT-th best."""
+    thr = tl.min(vals, axis=0)
+    kr = tl.arange(0, KT)[:, None]
+    nr = tl.arange(0, BLOCK_N)[:, None]
+    while tl.max((tl.max(score, axis=0) > thr).to(tl.int32), axis=0) > 0:
+        best = tl.max(score, axis=0)
+        at = tl.argmax(score, axis=0)
+        take = best > thr
+        slot = tl.argmin(vals, axis=0)
+        hit = (kr == slot[None, :]) & take[None, :]
+        vals = tl.where(hit, best[None, :], vals)
+        row = tl.sum(tl.where(nr == at[None, :], rows[:, None], 0), axis=0)
+        idx = tl.where(hit, row[None, :], idx)
+        score = tl.where((nr == at[None, :]) & take[None, :], float("-inf"), score)
+        thr = tl.min(vals, axis=0)
+    return vals, idx
+
+
+# --------------------------------------------------------------------------------------------------
+# kernels
+
+
+@triton.jit
+def _flat_scan_kernel(CODES, NORM, n, row_bytes, QP, qw, nq, QSCALE, MAG, OUT_V, OUT_I, rows_per_split,
+                      R0: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr, L2: tl.constexpr,
+                      DECODE: tl.constexpr, KT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
+                      T0, T1, T2, T3, T4, T5, T6, T7, T8, T9, T10, T11):
+    """Program (query block, row split): top-KT of rows [split * rows_per_split, ...) for BLOCK_Q queries,
+    written to OUT_V / OUT_I [splits, KT, nq]."""
+    qb, sp = tl.program_id(0), tl.program_id(1)
+    qcols = qb * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    qmask = qcols < nq
+    vals = tl.full((KT, BLOCK_Q), float("-inf"), tl.float32)
+    idx = tl.full((KT, BLOCK_Q), -1, tl.int32)
+    start = sp * rows_per_split
+    stop = tl.minimum(start + rows_per_split, n)
+    T = (T0, T1, T2, T3, T4, T5, T6, T7, T8, T9, T10, T11)
+    for r0 in range(start, stop, BLOCK_N):
+        rows = r0 + tl.arange(0, BLOCK_N)
+        rows = tl.where(rows < stop, rows, n)  # past this split: masked like rows past the end
+        score = _tile_scores(rows, n, CODES, NORM, row_bytes, QP, qw, qcols, qmask, QSCALE, MAG,
+                             R0, R1, R2, L2, DECODE, BLOCK_N, BLOCK_Q, T)
+        vals, idx = _insert(vals, idx, score, rows, KT, BLOCK_N)
+    out = sp * KT * nq + tl.arange(0, KT)[:, None] * nq + qcols[None, :]
+    tl.store(OUT_V + out, vals, mask=qmask[None, :])
+    tl.store(OUT_I + out, idx, mask=qmask[None, :])
+
+
+@triton.jit
+def _lists_scan_kernel(CODE_PTRS, NORM_PTRS, SIZES, ITEM_LIST, ITEM_START, ITEM_COUNT, QUERIES, row_bytes,
+                       QP, qw, QSCALE, MAG, OUT_V, OUT_I,
+                       R0: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr, L2: tl.constexpr,
+                       DECODE: tl.constexpr, KT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
+                       NORM_F16: tl.constexpr, T0, T1, T2, T3, T4, T5, T6, T7, T8, T9, T10, T11):
+    """Program = one work item: list ITEM_LIST[i] against the queries QUERIES[start : start + count] (count
+    <= BLOCK_Q), top-KT per (query, list) pair written at its pair slot: OUT_V / OUT_I [pairs, KT]."""
+    it = tl.program_id(0)
+    lst = tl.load(ITEM_LIST + it)
+    start = tl.load(ITEM_START + it)
+    count = tl.load(ITEM_COUNT + it)
+    n = tl.load(SIZES + lst).to(tl.int32)
+    codes = tl.load(CODE_PTRS + lst).to(tl.pointer_type(tl.uint8))
+    if NORM_F16:
+        norm = tl.load(NORM_PTRS + lst).to(tl.pointer_type(tl.float16))
+    else:
+        norm = tl.load(NORM_PTRS + lst).to(tl.pointer_type(tl.float32))
+    j = tl.arange(0, BLOCK_Q)
+    qmask = j < count
+    qcols = tl.load(QUERIES + start + j, mask=qmask, other=0)
+    vals = tl.full((KT, BLOCK_Q), float("-inf"), tl.float32)
+    idx = tl.full((KT, BLOCK_Q), -1, tl.int32)
+    T = (T0, T1, T2, T3, T4, T5, T6, T7, T8, T9, T10, T11)
+    for r0 in range(0, n, BLOCK_N):
+        rows = r0 + tl.arange(0, BLOCK_N)
+        score = _tile_scores(rows, n, codes, norm, row_bytes, QP, qw, qcols, qmask, QSCALE, MAG,
+                             R0, R1, R2, L2, DECODE, BLOCK_N, BLOCK_Q, T)
+        vals, idx = _insert(vals, idx, score, rows, KT, BLOCK_N)
+    out = (start + j[None, :]) * KT + tl.arange(0, KT)[:, None]
+    tl.store(OUT_V + out, vals, mask=qmask[None, :])
+    tl.store(OUT_I + out, idx, mask=qmask[None, :])
+
+
+@triton.jit
+def _gather_rows_kernel(CODE_PTRS, NORM_PTRS, LISTS, ROWS, OUT_CODES, OUT_NORM, c, row_bytes,
+                        NORM_F16: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Copy code row ROWS[i] of list LISTS[i] (and its scale) to OUT_CODES[i] / OUT_NORM[i]; i < c."""
+    i = tl.program_id(0)
+    lst = tl.load(LISTS + i)
+    row = tl.load(ROWS + i).to(tl.int64)
+    codes = tl.load(CODE_PTRS + lst).to(tl.pointer_type(tl.uint8))
+    b = tl.arange(0, BLOCK_B)
+    for b0 in range(0, row_bytes, BLOCK_B):
+        m = b0 + b < row_bytes
+        tl.store(OUT_CODES + i * row_bytes + b0 + b, tl.load(codes + row * row_bytes + b0 + b, mask=m), mask=m)
+    if NORM_F16:
+        norm = tl.load(NORM_PTRS + lst).to(tl.pointer_type(tl.float16))
+    else:
+        norm = tl.load(NORM_PTRS + lst).to(tl.pointer_type(tl.float32))
+    tl.store(OUT_NORM + i, tl.load(norm + row).to(tl.float32))
+
+
+# --------------------------------------------------------------------------------------------------
+# host side
+
+
+def planar_queries(qs: Tensor, layouts: list[RunLayout]) -> tuple[Tensor, Tensor]:
+    """Queries qs [m, dim] in planar order, f16 [m, plane_width], scaled per query by a power of two
+    (returned, float32 [m]) so that the largest coordinate is near 1."""
+    amax = qs.abs().amax(1)
+    scale = torch.where(amax > 0, torch.exp2(torch.ceil(torch.log2(amax.clamp_min(1e-30)))), torch.ones_like(amax))
+    return to_planes(qs / scale[:, None], layouts).half().contiguous(), scale.float().contiguous()
+
+
+def prmt_tables(mags: Tensor, layouts: list[RunLayout]) -> list[int]:
+    """Twelve int32 words: per run (MAX_RUNS), the lo and hi bytes of its eight f16 magnitudes (4-bit runs),
+    four words each: lo bytes 0-3, lo bytes 4-7, hi bytes 0-3, hi bytes 4-7."""
+    words = []
+    for lay in layouts:
+        if lay.bits == 4:
+            h = mags[lay.mag_offset : lay.mag_offset + 8].half().cpu().view(torch.int16).int() & 0xFFFF
+            lo, hi = (h & 0xFF).tolist(), (h >> 8).tolist()
+            pack = lambda b: (b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24) - ((b[3] >> 7) << 32)  # noqa: E731
+            words += [pack(lo[:4]), pack(lo[4:]), pack(hi[:4]), pack(hi[4:])]
+        else:
+            words += [0, 0, 0, 0]
+    return words
+
+
+def default_decode(device: torch.device) -> int:
+    """The decode of 4-bit runs: prmt permutes on CUDA, a select tree elsewhere (the interpreter)."""
+    return DECODE_PRMT if device.type == "cuda" else DECODE_SELECT
+
+
+def candidate_depth(k: int) -> int:
+    """Candidates kept per query by the f16 scan before exact re-scoring: a power of two >= k + max(8, k/4)."""
+    return triton.next_power_of_2(k + max(8, k // 4))
+
+
+class TritonScorer(Scorer):
+    """The GPU scorer of direction codes (module notes). ``decode`` overrides the decode of 4-bit runs
+    (DECODE_GATHER, DECODE_SELECT, DECODE_PRMT)."""
+
+    def __init__(self, encoder: Any, qs: Tensor, l2: bool, bar: Any = None, decode: int | None = None) -> None:
+        super().__init__(encoder, qs, l2, bar)
+        runs = encoder.code_runs(qs.device)
+        self.layouts, mags, _ = run_layouts(runs)
+        self.mags = mags.to(qs.device)
+        self.qp, self.qscale = planar_queries(qs.float(), self.layouts)
+        self.decode = default_decode(qs.device) if decode is None else decode
+        self.tables = prmt_tables(self.mags, self.layouts)
+        self.runs = tuple(tuple(r) for r in self.layouts)
+
+    def _common(self, m: int) -> dict:
+        block_q = max(16, min(MAX_BLOCK_Q, triton.next_power_of_2(m)))
+        return dict(R0=self.runs[0], R1=self.runs[1], R2=self.runs[2], L2=self.l2, DECODE=self.decode,
+                    BLOCK_N=BLOCK_N, BLOCK_Q=block_q)
+
+    def _depth(self, top: TopK) -> int:
+        return candidate_depth(top.k)
+
+    # -- flat -------------------------------------------------------------------------------------------
+    def push(self, codes: Codes, labels: Tensor | int, top: TopK, rows: Tensor | None = None,
+             offset: Tensor | None = None, shift: Tensor | None = None) -> None:
+        if shift is not None:
+            raise ValueError("the GPU scan takes unshifted queries (residual IVF lists are scanned in PyTorch)")
+        n = len(codes)
+        sel = slice(None) if rows is None else rows
+        qp, qscale, m = self.qp[sel].contiguous(), self.qscale[sel].contiguous(), self.m if rows is None else len(rows)
+        if n == 0 or m == 0:
+            return
+        kt = self._depth(top)
+        common = self._common(m)
+        q_blocks = triton.cdiv(m, common["BLOCK_Q"])
+        sms = torch.cuda.get_device_properties(qp.device).multi_processor_count if qp.is_cuda else 4
+        splits = max(1, min(triton.cdiv(n, 4 * BLOCK_N), triton.cdiv(PROGRAMS_PER_SM * sms, q_blocks)))
+        per_split = triton.cdiv(triton.cdiv(n, splits), BLOCK_N) * BLOCK_N
+        splits = triton.cdiv(n, per_split)
+        out_v = torch.empty(splits, kt, m, device=qp.device)
+        out_i = torch.empty(splits, kt, m, dtype=torch.int32, device=qp.device)
+        qdata, norm = codes.qdata.contiguous(), codes.norm.contiguous()
+        _flat_scan_kernel[(q_blocks, splits)](qdata, norm, n, qdata.shape[1], qp, qp.shape[1], m, qscale,
+                                              self.mags, out_v, out_i, per_split, KT=kt, **common,
+                                              **{f"T{i}": self.tables[i] for i in range(12)}, num_warps=NUM_WARPS)
+        vals = out_v.permute(2, 0, 1).reshape(m, -1)
+        cand = out_i.permute(2, 0, 1).reshape(m, -1)
+        rows_of = self._best(vals, cand, kt)  # [m, kt] candidate rows, -1 where none
+        exact = self._exact(rows if rows is not None else None, codes[rows_of.clamp_min(0).reshape(-1)],
+                            rows_of)
+        lab = torch.where(rows_of >= 0, _labels(labels, 0, n, qp.device)[rows_of.clamp_min(0)], -1) \
+            if not isinstance(labels, int) else torch.where(rows_of >= 0, rows_of + labels, -1)
+        if offset is not None:
+            exact = exact + offset[:, None]
+        top.merge(exact, lab, rows)
+        self._advance(m * n)
+
+    @staticmethod
+    def _best(vals: Tensor, cand: Tensor, kt: int) -> Tensor:
+        """The kt best candidates of each row (vals/cand [m, c]) -> int64 rows [m, kt], -1 where none."""
+        v, j = torch.topk(vals, min(kt, vals.shape[1]), dim=1)
+        rows = cand.gather(1, j).long()
+        return torch.where(v > float("-inf"), rows, -1)
+
+    def _exact(self, qrows: Tensor | None, codes: Codes, rows_of: Tensor) -> Tensor:
+        """Exact float32 scores [m, kt] of the candidate codes (flattened [m * kt]) for query rows ``qrows``."""
+        qs = self.qs if qrows is None else self.qs[qrows]
+        xr = self.encoder.decode_rotated(codes).reshape(*rows_of.shape, -1)  # [m, kt, dim]
+        s = torch.einsum("md,mkd->mk", qs, xr)
+        if self.l2:
+            s = s - xr.square().sum(-1)
+        return s.masked_fill(rows_of < 0, float("-inf"))
+
+    # -- IVF --------------------------------------------------------------------------------------------
+    def push_lists(self, lists: CodeRunList, probes: Tensor, top: TopK, offsets: Tensor | None = None,
+                   shifts: Tensor | None = None) -> None:
+        """Every probed list in one launch (module notes); with ``offsets`` the list-by-list strategy."""
+        if offsets is not None or shifts is not None:
+            super().push_lists(lists, probes, top, offsets, shifts)
+            return
+        device, (m, nprobe) = self.qs.device, probes.shape
+        table = getattr(lists, "triton", None)
+        if table is None:
+            table = _ListTable(lists, device)
+            if hasattr(lists, "__dict__"):  # a view cached with its index state keeps its table
+                lists.triton = table
+        kt = self._depth(top)
+        common = self._common(min(m, MAX_BLOCK_Q))
+        block_q = common["BLOCK_Q"]
+        flat = probes.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # pair slots grouped by list
+        queries = (order // nprobe).int()
+        counts = torch.bincount(flat, minlength=len(table.sizes))
+        starts = counts.cumsum(0) - counts
+        chunks = (counts + block_q - 1) // block_q
+        item_list = torch.repeat_interleave(torch.arange(len(counts), device=device), chunks)
+        first = torch.repeat_interleave(chunks.cumsum(0) - chunks, chunks)
+        chunk_no = torch.arange(len(item_list), device=device) - first
+        item_start = starts[item_list] + chunk_no * block_q
+        item_count = torch.minimum(counts[item_list] - chunk_no * block_q, torch.full_like(item_start, block_q))
+        keep = table.sizes[item_list] > 0
+        item_list, item_start, item_count = item_list[keep], item_start[keep], item_count[keep]
+        pairs = m * nprobe
+        out_v = torch.full((pairs, kt), float("-inf"), device=device)
+        out_i = torch.full((pairs, kt), -1, dtype=torch.int32, device=device)
+        if len(item_list):
+            _lists_scan_kernel[(len(item_list),)](
+                table.code_ptrs, table.norm_ptrs, table.sizes, item_list, item_start.int(), item_count.int(),
+                queries, table.row_bytes, self.qp, self.qp.shape[1], self.qscale, self.mags, out_v, out_i,
+                KT=kt, NORM_F16=table.norm_f16, **common, **{f"T{i}": self.tables[i] for i in range(12)},
+                num_warps=NUM_WARPS)
+        slot = torch.empty_like(order)
+        slot[order] = torch.arange(pairs, device=device)  # pair (query i, probe j) -> its slot
+        slot = slot.reshape(m, nprobe)
+        vals = out_v[slot].reshape(m, nprobe * kt)
+        rows = out_i[slot].reshape(m, nprobe * kt).long()
+        lst = probes[:, :, None].expand(m, nprobe, kt).reshape(m, -1)
+        v, j = torch.topk(vals, min(kt, vals.shape[1]), dim=1)
+        rows, lst = rows.gather(1, j), lst.gather(1, j)
+        valid = v > float("-inf")
+        codes = table.gather(lst.reshape(-1), rows.clamp_min(0).reshape(-1))
+        exact = self._exact(None, codes, torch.where(valid, rows, -1))
+        top.merge(exact, torch.where(valid, table.labels(lst, rows), -1))
+        self._advance(int(table.sizes[probes].sum()))
+
+
+class _ListTable:
+    """Device pointers, sizes and labels of code lists, as the list kernels read them."""
+
+    def __init__(self, lists: CodeRunList, device: torch.device) -> None:
+        first = next(c for c, _ in lists if c is not None and len(c))
+        self._keep = [(c.qdata.contiguous(), c.norm.contiguous()) if c is not None and len(c) else None
+                      for c, _ in lists]  # the pointers below stay valid while these live
+        ptr = lambda i: [0 if k is None else k[i].data_ptr() for k in self._keep]  # noqa: E731
+        self.code_ptrs = torch.tensor(ptr(0), dtype=torch.int64, device=device)
+        self.norm_ptrs = torch.tensor(ptr(1), dtype=torch.int64, device=device)
+        self.sizes = torch.tensor([0 if k is None else len(k[0]) for k in self._keep], dtype=torch.int64,
+                                  device=device)
+        self.row_bytes = first.qdata.shape[1]
+        self.norm_f16 = first.norm.dtype == torch.float16
+        self.template = first
+        base = [lab if isinstance(lab, int) else 0 for _, lab in lists]
+        self._base = torch.tensor(base, dtype=torch.int64, device=device)
+        explicit = [(i, lab) for i, (_, lab) in enumerate(lists) if not isinstance(lab, int) and len(lab)]
+        self._explicit = None
+        if explicit:  # one concatenated label table with each list's start
+            starts = torch.zeros(len(lists), dtype=torch.int64)
+            total = 0
+            for i, lab in explicit:
+                starts[i] = total
+                total += len(lab)
+            self._explicit = (starts.to(device), torch.cat([lab.to(device) for _, lab in explicit]))
+
+    def labels(self, lst: Tensor, rows: Tensor) -> Tensor:
+        """Labels of (list, row) pairs (any shape)."""
+        if self._explicit is None:
+            return self._base[lst] + rows
+        starts, table = self._explicit
+        return table[(starts[lst] + rows.clamp_min(0)).clamp_max(len(table) - 1)]
+
+    def gather(self, lst: Tensor, rows: Tensor) -> Codes:
+        """Codes of (list, row) pairs [c] as one contiguous Codes [c]."""
+        c = len(lst)
+        qdata = torch.empty(c, self.row_bytes, dtype=torch.uint8, device=lst.device)
+        norm = torch.empty(c, device=lst.device)
+        if c:
+            _gather_rows_kernel[(c,)](self.code_ptrs, self.norm_ptrs, lst, rows, qdata, norm, c, self.row_bytes,
+                                      NORM_F16=self.norm_f16, BLOCK_B=min(256, triton.next_power_of_2(self.row_bytes)))
+        return Codes(qdata=qdata, norm=norm.to(self.template.norm.dtype))
