@@ -70,8 +70,8 @@ class Results:
     own keys), rewritten atomically by :meth:`save`.
 
     Where ``path`` holds the file of an earlier run with the same configuration at the same code, that
-    run continues (``resumed`` is True; ``data`` is its content, its ``env`` gains a ``resumed`` entry):
-    the caller skips what is measured already. A file of other arguments or other code is refused
+    run continues (``resumed`` is True; ``data`` is its content, its ``env`` gains a ``resumed`` entry
+    unless it was complete): the caller skips what is measured already. A file of other arguments or other code is refused
     (SystemExit), so one file never mixes two configurations; ``restart`` starts afresh instead.
     """
 
@@ -81,8 +81,9 @@ class Results:
         if self.resumed:
             old = json.loads(path.read_text())
             self._check(old, data)
-            old["env"].setdefault("resumed", []).append(
-                {k: data["env"][k] for k in ("date_utc", "load_average_at_start")})
+            if not old.get("complete"):
+                old["env"].setdefault("resumed", []).append(
+                    {k: data["env"][k] for k in ("date_utc", "load_average_at_start")})
             data = old
         self.data = data
         self.save()

@@ -102,6 +102,8 @@ def test_ctrl_c_keeps_what_was_measured_and_a_rerun_resumes(monkeypatch, tmp_pat
     for name, r in done.items():
         assert rows[name]["recall@1@k"] == r["recall@1@k"] and rows[name]["build_s"] == r["build_s"]
     assert all(len(r["qps_rounds_2t"]) == 1 for r in rows.values())
+    calls.clear()
+    assert ann.main(argv)["rows"] == result["rows"] and not calls  # a finished run: nothing left to measure
 
 
 def test_faiss_memory_is_what_the_index_arrays_hold():
