@@ -1,14 +1,14 @@
 #!/usr/bin/env python
 """Exhaustive (flat) ANN search over 1-4 bit codes: tqindex against faiss and turbovec.
 
-The default run (a few minutes on 2 cores, data preparation included) takes GloVe-50 (100k base
-vectors, 10k queries) at 2 and 4 bits: tqindex's "tq{b}" and trained "tq{b}-pca" against the strongest
-baselines (faiss PQ fast scan at tqindex's bytes, faiss RaBitQ fast scan, faiss's TurboQuant scalar
-quantizer, turbovec plain and calibrated), prints a short summary and writes a table and a plot.
-``--full`` is the whole sweep: b = 1..4, every tqindex encoder ("tq{b}", "tq{b}-*", "fp4" at b = 4,
-"tq{b}(rescale=...)" for per-vector scale modes no registry name selects) and every baseline of
-``_baselines.py`` (faiss TurboQuant, EDEN, RaBitQ, RaBitQ fast scan, PQ and PQ fast scan sized to
-tqindex's bytes, SQ4, turbovec), with more timing rounds.
+The default run (about 2 minutes on 2 cores, data preparation included) takes GloVe-50 (100k base
+vectors, the first 5k of its 10k queries) at 2 and 4 bits: tqindex's "tq{b}" and trained "tq{b}-pca"
+against the strongest baselines (faiss PQ fast scan at tqindex's bytes, faiss RaBitQ fast scan, faiss's
+TurboQuant scalar quantizer, turbovec plain and calibrated), prints a short summary (one line per
+method) and writes a table and a plot. ``--full`` is the whole sweep: b = 1..4, all 10k queries, every
+tqindex encoder ("tq{b}", "tq{b}-*", "fp4" at b = 4, "tq{b}(rescale=...)" for per-vector scale modes
+no registry name selects) and every baseline of ``_baselines.py`` (faiss TurboQuant, EDEN, RaBitQ,
+RaBitQ fast scan, PQ and PQ fast scan sized to tqindex's bytes, SQ4, turbovec), with more timing rounds.
 
 Per method: the code size (codes + per-vector side data), the memory the index holds per vector (codes
 as stored, ids where stored) and once (rotations, codebooks, the PCA basis: per vector at this n),
