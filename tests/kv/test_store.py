@@ -1,12 +1,16 @@
+import gc
 import importlib
 import math
+import pickle
 import sys
 
 import pytest
 import torch
 
 import tqindex as tq
-from tqindex.kv.store import DENSE_BYTES_PER_ELEMENT, CodesBuffer, KVStore
+from tqindex.kv.store import (
+    DENSE_BYTES_PER_ELEMENT, CodesBuffer, KVStore, encode_tokens, encoder_from_key, encoder_key,
+)  # fmt: skip
 
 torch.set_num_threads(1)
 B, H, D = 2, 3, 32
@@ -175,3 +179,70 @@ def test_kv_package_imports_without_transformers(monkeypatch):
     assert kv.KVStore.__module__ == "tqindex.kv.store"
     with pytest.raises(ImportError):
         kv.TQCache
+
+
+@pytest.mark.parametrize("name", ["tq4", "tq8", "fp4", "tq3-prod"])
+def test_encode_tokens_is_encode_without_checks(name):
+    enc = tq.make_encoder(name, D)
+    x = _tokens(5).to(torch.bfloat16)
+    got, expected = encode_tokens(enc, x), enc.encode(x)
+    assert got.shape == (B, H, 5)
+    assert [n for n, _ in got.planes()] == [n for n, _ in expected.planes()]
+    assert all(torch.equal(t, getattr(expected, n)) for n, t in got.planes())
+    bad = x.clone()
+    bad[0, 0, 0, 0] = float("nan")
+    encode_tokens(enc, bad)  # no check of the values: nothing waits for them
+
+
+def test_append_compiles_into_one_graph():
+    """The encode operator is opaque to torch.compile: an append (window overflow encoded, buffers grown)
+    traces in one graph, without reading the data on the host, and stores what eager code stores."""
+    eager, compiled = _store(residual=2), _store(residual=2)
+    for s in (eager, compiled):
+        s.append(_tokens(5), _tokens(5, 1))
+    step = torch.compile(lambda k, v: compiled.append(k, v), fullgraph=True, backend="eager")
+    for t in range(3):
+        eager.append(_tokens(1, 10 + t), _tokens(1, 20 + t))
+        step(_tokens(1, 10 + t), _tokens(1, 20 + t))
+    assert compiled.compressed_length == eager.compressed_length == 5
+    for a, b in zip(compiled.tensors(), eager.tensors()):
+        assert torch.equal(a, b)
+
+
+def test_tensors_round_trip_and_device_moves():
+    store = _store(residual=3, keys="tq8", values="fp4")
+    _filled(store, [7, 1, 1])
+    tensors = store.tensors()
+    assert len(tensors) == 2 + 2 + 2  # qdata + norm, qdata + scale, two windows
+    copy = KVStore.from_tensors(store.key_encoder, store.value_encoder, 3, tensors)
+    assert (copy.compressed_length, copy.window_length) == (store.compressed_length, store.window_length)
+    for a, b in zip(copy.materialize(), store.materialize()):
+        assert torch.equal(a, b)
+    copy.append(_tokens(1, 9), _tokens(1, 9))  # a full buffer of given codes grows on the next append
+    assert copy.seq_length == store.seq_length + 1
+    assert KVStore.from_tensors(store.key_encoder, store.value_encoder, 3, []).seq_length == 0
+    with pytest.raises(ValueError, match="expected 6 tensors"):
+        KVStore.from_tensors(store.key_encoder, store.value_encoder, 3, tensors[:-1])
+    shapes = [t.shape for t in tensors]
+    store.to("meta")  # codes and windows move as they are: nothing decoded
+    assert [t.shape for t in store.tensors()] == shapes and store.device.type == "meta"
+
+
+def test_pickled_store_and_encoder_keys():
+    store = _store(residual=2, keys="tq8")
+    _filled(store, [6, 1])
+    clone = pickle.loads(pickle.dumps(store))
+    assert all(torch.equal(a, b) for a, b in zip(clone.tensors(), store.tensors()))
+    clone.append(_tokens(1, 7), _tokens(1, 8))
+    assert clone.compressed_length == store.compressed_length + 1
+    key = encoder_key(store.key_encoder)
+    assert encoder_key(tq.make_encoder("tq8", D)) == key  # same configuration and tensors, same key
+    assert encoder_from_key(key) is store.key_encoder
+    other = tq.make_encoder("tq8", D, seed=3)
+    other_key = encoder_key(other)
+    del other
+    gc.collect()
+    rebuilt = encoder_from_key(other_key)  # no live encoder: rebuilt from its configuration
+    assert rebuilt.seed == 3 and encoder_key(rebuilt) == other_key
+    with pytest.raises(ValueError, match="no live encoder"):
+        encoder_from_key(key.replace('"seed": 0', '"seed": 4'))  # the digest names other tensors

@@ -1,8 +1,9 @@
 """Compressed KV caches: tqindex encoders as storage for attention keys and values.
 
 ``store`` (storage) and ``attention`` (attention over codes) need only PyTorch; ``TQCache`` and
-``TQLayer`` (transformers integration, :mod:`tqindex.kv.hf`) need transformers, and importing this
-package registers the ``"tqindex"`` attention implementation with it when it is installed.
+``TQLayer`` (transformers integration, :mod:`tqindex.kv.hf`) need transformers >= 5.0, and importing
+this package registers the ``"tqindex"`` attention implementation with it when it is installed, and
+``TQCache`` as a torch pytree node (for ``torch.export``).
 """
 
 from typing import Any
@@ -30,5 +31,7 @@ except ImportError as err:  # transformers missing: storage and attention still 
 
     def __getattr__(name: str) -> Any:
         if name in ("TQCache", "TQLayer"):
-            raise ImportError(f"tqindex.kv.{name} needs transformers: pip install 'tqindex[kv]'") from _HF_ERROR
+            raise ImportError(
+                f"tqindex.kv.{name} needs transformers >= 5.0: pip install 'tqindex[kv]' ({_HF_ERROR})"
+            ) from _HF_ERROR
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

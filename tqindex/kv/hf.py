@@ -24,6 +24,7 @@ transformers 5.0 (the oldest release the ``kv`` extra allows) and the newest 5.x
 
 from __future__ import annotations
 
+import re
 from copy import deepcopy
 from dataclasses import dataclass
 from functools import lru_cache
@@ -46,7 +47,7 @@ from .store import CompressedTokens, KVStore, encoder_from_key, encoder_key
 
 ATTN_IMPLEMENTATION = "tqindex"
 """Name of the attention implementation registered with transformers."""
-PRESETS = "'fp4' or 'k{a}v{b}'"
+_PRESET = re.compile(r"k(\d)v(\d)")
 logger = logging.get_logger(__name__)
 
 
@@ -275,8 +276,8 @@ class TQCache(DynamicCache):
         self.layer_class_to_replicate = None  # layers are added by update (see _add_layers)
         self.config = config
         self.key_encoder, self.value_encoder = key_encoder, value_encoder
+        # Number of cache layers once known: from the config, from ddp_cache_data or at the second forward pass.
         self.num_model_layers: int | None = None
-        """Number of cache layers once known: from the config, the ddp data, or the second forward pass."""
         if config is not None:
             text_config = config.get_text_config(decoder=True)
             self._text_config = text_config
@@ -305,12 +306,12 @@ class TQCache(DynamicCache):
         """Cache from a preset name: ``"k{a}v{b}"`` (TurboQuant "tq{a}" keys, "tq{b}" values, a, b in
         1, 2, 3, 4, 8; e.g. "k8v4", "k4v4", "k3v4", "k2v2") or ``"fp4"`` (FP4-UE8M0 keys and values).
         ``kwargs`` go to the constructor (``residual_length``, ``protected_layers``, ...)."""
+        match = _PRESET.fullmatch(name) if isinstance(name, str) else None
         if name == "fp4":
             return cls(config, "fp4", "fp4", **kwargs)
-        bits = name[1::2] if isinstance(name, str) and len(name) == 4 and name[::2] == "kv" else ""
-        if bits and all(b.isdigit() and int(b) in MSE_BITS for b in bits):
-            return cls(config, f"tq{bits[0]}", f"tq{bits[1]}", **kwargs)
-        raise ValueError(f"preset must be {PRESETS} with a, b in {MSE_BITS}, got {name!r}")
+        if match and all(int(b) in MSE_BITS for b in match.groups()):
+            return cls(config, f"tq{match[1]}", f"tq{match[2]}", **kwargs)
+        raise ValueError(f"preset must be 'fp4' or 'k{{a}}v{{b}}' with a, b in {MSE_BITS}, got {name!r}")
 
     # -- layers ------------------------------------------------------------------------------------
     def _layer(self, dims: tuple[int, int], protected: bool = False) -> CacheLayerMixin:
