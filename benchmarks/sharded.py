@@ -140,19 +140,18 @@ def _rank_work(rank: int, world: int, threads: int, args: dict[str, Any]) -> dic
         D, I = index.search(q, k, src=0)  # warm-up; its ids are compared across rank counts
         if rank == 0 and nq == nq_max:
             out["ids"] = I
-        stats = []
+        stats, alone = [], []
         for _ in range(repeats):
             dist.barrier()
             index.search(q, k, src=0)
             stats.append(asdict(index.last_search))
-        out["searches"][nq] = stats
-        if world == 1:  # the local index alone, without the sharding layer
-            times = []
-            for _ in range(repeats):
+            if world == 1:  # the local index alone, without the sharding layer, in the same rounds
                 t0 = time.perf_counter()
                 index.local.search(q, k)
-                times.append(time.perf_counter() - t0)
-            out["local_only_s"][nq] = times
+                alone.append(time.perf_counter() - t0)
+        out["searches"][nq] = stats
+        if alone:
+            out["local_only_s"][nq] = alone
     return out
 
 
@@ -213,6 +212,7 @@ def summarize_world(world: int, reports: list[dict[str, Any]], args: argparse.Na
             "rows_per_rank": [r["rows"] for r in reports],
             "build_s": round(max(r["build_s"] for r in reports), 3),
             "qps": round(nq / totals[best], 1),
+            "qps_median": round(nq / statistics.median(totals), 1),
             "search_ms_best": round(1e3 * totals[best], 3),
             "search_ms_median": round(1e3 * statistics.median(totals), 3),
             "local_scan_ms_median_by_rank": [round(1e3 * t, 3) for t in local],
@@ -225,6 +225,7 @@ def summarize_world(world: int, reports: list[dict[str, Any]], args: argparse.Na
         }
         if reports[0]["local_only_s"]:
             row["local_index_alone_qps"] = round(nq / min(reports[0]["local_only_s"][nq]), 1)
+            row["local_index_alone_qps_median"] = round(nq / statistics.median(reports[0]["local_only_s"][nq]), 1)
         if nq == max(args.batches) and one_rank_ids is not None:
             row["ids_equal_to_1_rank"] = round(float((reports[0]["ids"] == one_rank_ids).mean()), 5)
         rows.append(row)
@@ -284,25 +285,28 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [f"# Sharded search: {a['n']:,} x {a['dim']} {a['encoder']}, gloo on CPU", "",
              f"Random unit vectors split evenly over the ranks (one process each, the {env['nproc']} cores "
              f"divided between them); queries broadcast from rank 0, k = {a['k']}, results gathered and merged "
-             "on every rank. Exchange + merge: the share of search time outside the local scan, on the rank "
-             "whose scan was slowest (median of the repeats). Bytes: payload per rank per batch.", "",
+             "on every rank. QPS: best and median of the repeats; times: medians. Exchange + merge: the time "
+             "outside the local scan on the rank whose scan was slowest, and its share of that rank's search "
+             "time. Bytes: payload per rank per batch.", "",
              f"git {env['git_sha'][:10]}{' (dirty)' if env['git_dirty'] else ''}, {env['cpu']}, {env['nproc']} CPUs, "
              f"torch {env['versions']['torch']}, {env['date_utc']}, load average at start "
              f"{env['load_average_at_start']}.", "",
-             "| ranks | threads/rank | build s | queries | QPS | search ms | local scan ms (by rank) | "
+             "| ranks | threads/rank | build s | queries | QPS best / median | search ms | local scan ms (by rank) | "
              "exchange+merge ms | share | bytes sent / received (rank 0) | ids = 1 rank |",
              "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for r in result["rows"]:
         same = r.get("ids_equal_to_1_rank")
-        lines.append(f"| {r['ranks']} | {r['threads_per_rank']} | {r['build_s']:.2f} | {r['nq']} | {r['qps']:,.0f} | "
-                     f"{r['search_ms_best']:.2f} | {' / '.join(f'{t:.2f}' for t in r['local_scan_ms_median_by_rank'])} | "
+        lines.append(f"| {r['ranks']} | {r['threads_per_rank']} | {r['build_s']:.2f} | {r['nq']} | "
+                     f"{r['qps']:,.0f} / {r['qps_median']:,.0f} | "
+                     f"{r['search_ms_median']:.2f} | {' / '.join(f'{t:.2f}' for t in r['local_scan_ms_median_by_rank'])} | "
                      f"{r['exchange_merge_ms_median']:.2f} | {100 * r['exchange_merge_share_median']:.1f} % | "
                      f"{r['bytes_sent_by_rank'][0]:,} / {r['bytes_received_by_rank'][0]:,} | "
                      f"{'' if same is None else f'{100 * same:.2f} %'} |")
     alone = [r for r in result["rows"] if "local_index_alone_qps" in r]
     if alone:
-        lines += ["", "The local FlatIndex alone (1 process, no sharding layer): " + ", ".join(
-            f"{r['nq']} queries {r['local_index_alone_qps']:,.0f} QPS" for r in alone) + "."]
+        lines += ["", "The local FlatIndex alone (1 process, no sharding layer, timed in the same rounds), QPS best / "
+                  "median: " + ", ".join(f"{r['nq']} queries {r['local_index_alone_qps']:,.0f} / "
+                                         f"{r['local_index_alone_qps_median']:,.0f}" for r in alone) + "."]
     t = result.get("target")
     if t:
         lines += ["", f"Target: exchange + merge < {100 * TARGET_SHARE:.0f} % of the search time at {t['setting']}: "
@@ -314,8 +318,8 @@ def markdown(result: dict[str, Any]) -> str:
               f"A model, not a measurement: scan = max(code bytes / ({a['gpu_bandwidth']:g} GB/s x "
               f"{a['gpu_bandwidth_efficiency']:g}), 2 nq rows dim / ({a['gpu_tflops']:g} TFLOP/s x "
               f"{a['gpu_flops_efficiency']:g})) per GPU; exchange = ring all-gather of nq k x 12 B per GPU plus "
-              "the float32 query broadcast, (G-1) steps of 5 us (NVLink) / 15 us (network) latency. Link "
-              "speeds per GPU and direction: " + ", ".join(f"{l} {LINKS_GBS[l]:g} GB/s" for l in links) + ".", "",
+              "the float32 query broadcast, (G-1) steps of 5 us (NVLink) / 15 us (network) latency (a ring; "
+              "NCCL's tree algorithms need fewer steps for small messages). Link speeds per GPU and direction: " + ", ".join(f"{l} {LINKS_GBS[l]:g} GB/s" for l in links) + ".", "",
               "| GPUs | rows/GPU | GB/shard | queries | k | scan ms | bound | gathered per GPU | queries sent | "
               + " | ".join(f"exchange ms, {l}" for l in links) + " | QPS at 100 Gb/s |",
               "|--:|--:|--:|--:|--:|--:|--|--:|--:|" + "--:|" * len(links) + "--:|"]
