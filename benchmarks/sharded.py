@@ -298,7 +298,8 @@ def markdown(result: dict[str, Any]) -> str:
         same = r.get("ids_equal_to_1_rank")
         lines.append(f"| {r['ranks']} | {r['threads_per_rank']} | {r['build_s']:.2f} | {r['nq']} | "
                      f"{r['qps']:,.0f} / {r['qps_median']:,.0f} | "
-                     f"{r['search_ms_median']:.2f} | {' / '.join(f'{t:.2f}' for t in r['local_scan_ms_median_by_rank'])} | "
+                     f"{r['search_ms_median']:.2f} | "
+                     f"{' / '.join(f'{t:.2f}' for t in r['local_scan_ms_median_by_rank'])} | "
                      f"{r['exchange_merge_ms_median']:.2f} | {100 * r['exchange_merge_share_median']:.1f} % | "
                      f"{r['bytes_sent_by_rank'][0]:,} / {r['bytes_received_by_rank'][0]:,} | "
                      f"{'' if same is None else f'{100 * same:.2f} %'} |")
@@ -319,15 +320,16 @@ def markdown(result: dict[str, Any]) -> str:
               f"{a['gpu_bandwidth_efficiency']:g}), 2 nq rows dim / ({a['gpu_tflops']:g} TFLOP/s x "
               f"{a['gpu_flops_efficiency']:g})) per GPU; exchange = ring all-gather of nq k x 12 B per GPU plus "
               "the float32 query broadcast, (G-1) steps of 5 us (NVLink) / 15 us (network) latency (a ring; "
-              "NCCL's tree algorithms need fewer steps for small messages). Link speeds per GPU and direction: " + ", ".join(f"{l} {LINKS_GBS[l]:g} GB/s" for l in links) + ".", "",
+              "NCCL's tree algorithms need fewer steps for small messages). Link speeds per GPU and direction: "
+              + ", ".join(f"{link} {LINKS_GBS[link]:g} GB/s" for link in links) + ".", "",
               "| GPUs | rows/GPU | GB/shard | queries | k | scan ms | bound | gathered per GPU | queries sent | "
-              + " | ".join(f"exchange ms, {l}" for l in links) + " | QPS at 100 Gb/s |",
+              + " | ".join(f"exchange ms, {link}" for link in links) + " | QPS at 100 Gb/s |",
               "|--:|--:|--:|--:|--:|--:|--|--:|--:|" + "--:|" * len(links) + "--:|"]
     for r in p:
         lines.append(f"| {r['gpus']} | {r['rows_per_gpu']:,} | {r['shard_gb']:.1f} | {r['nq']} | {r['k']} | "
                      f"{r['scan_ms']:.3f} | {r['scan_bound']} | {_size(r['gather_bytes_per_gpu'])} | "
                      f"{_size(r['query_broadcast_bytes'])} | "
-                     + " | ".join(f"{r['comm_ms'][l]:.3f} ({100 * r['comm_share'][l]:.1f} %)" for l in links)
+                     + " | ".join(f"{r['comm_ms'][link]:.3f} ({100 * r['comm_share'][link]:.1f} %)" for link in links)
                      + f" | {r['qps']['100 Gb/s']:,.0f} |")
     return "\n".join(lines) + "\n"
 
@@ -403,7 +405,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "projection": project(args)}
     out = Path(args.out) if args.out else RESULTS
     out.mkdir(parents=True, exist_ok=True)
-    size = f"{args.n // 1_000_000}M" if args.n % 1_000_000 == 0 else f"{args.n // 1000}k" if args.n % 1000 == 0 else str(args.n)
+    n = args.n
+    size = f"{n // 1_000_000}M" if n % 1_000_000 == 0 else f"{n // 1000}k" if n % 1000 == 0 else str(n)
     stem = str(out / f"sharded_{size}x{args.dim}_{args.encoder}")
     Path(stem + ".json").write_text(json.dumps(result, indent=1, default=lambda o: o.tolist()) + "\n")
     Path(stem + ".md").write_text(markdown(result))

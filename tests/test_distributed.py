@@ -424,7 +424,8 @@ def test_add_with_ids_scatter_and_assigned_ids(world3: World) -> None:
     ids = np.random.default_rng(3).permutation(10_000)[:120] * 3 + 7
     for r in results:
         assert_same(r["ids"], _reference(x, ids).search(QUERIES, 30))
-        scattered = _reference(np.concatenate([x, x[:10], x[:2]]), np.concatenate([np.arange(120), np.arange(500, 512)]))
+        scattered = _reference(np.concatenate([x, x[:10], x[:2]]),
+                               np.concatenate([np.arange(120), np.arange(500, 512)]))
         assert_same(r["scatter"], scattered.search(QUERIES, 30))
         assert r["scatter_sizes"] == [45, 44, 43]  # 40 + 4 + 1, 40 + 3 + 1, 40 + 3 rows
         assert_same(r["assigned"][1], _reference(np.concatenate([x, x]), np.arange(240)).search(QUERIES, 30))
@@ -473,7 +474,8 @@ def test_save_load_round_trip(world3: World, tmp_path: Path, kind: str) -> None:
     assert sorted(results[0]["new_ids"])[-4:] == [49, 90, 91, 92]  # ids 0..89 were used (0 removed)
     manifest = read_manifest(tmp_path)
     assert manifest["world_size"] == 3 and [s["ntotal"] for s in manifest["shards"]] == [49, 0, 40]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json"] + [f"shard-0000{r}-of-00003.tqi" for r in range(3)]
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["manifest.json"] + [f"shard-0000{r}-of-00003.tqi" for r in range(3)]
 
 
 def test_load_with_another_world_size_fails_clearly(world2: World, world3: World, tmp_path: Path) -> None:

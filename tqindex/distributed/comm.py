@@ -8,6 +8,9 @@ Tensors are exchanged on the backend's device: CPU for gloo, ``cuda:LOCAL_RANK``
 ends) with: each rank contributes a fixed-size int64 header (its status, the operation it is in and
 a few integers); all ranks receive the same table and take every later branch from it, so they stay
 in step. A rank whose local part failed makes every rank raise the same error.
+
+Also here: :func:`init_distributed` (join the group torchrun describes, pick this rank's device) and
+:func:`broadcast_encoder` (one rank's trained encoder on every rank).
 """
 
 from __future__ import annotations
@@ -241,9 +244,9 @@ class Comm:
             text = "; ".join(f"rank {r}: {texts[r].decode(errors='replace')}" for r in failed)
             k = int(kinds[failed[0]])
             cls = _ERRORS[k - 1] if k <= len(_ERRORS) and (kinds[failed] == k).all() else DistributedIndexError
-            raise cls(f"ShardedIndex {op.split(':')[0]} failed on {len(failed)} of {self.world_size} ranks: {text}") from error
+            what = op.split(":")[0]
+            raise cls(f"ShardedIndex {what} failed on {len(failed)} of {self.world_size} ranks: {text}") from error
         return table[:, 3:]
-
 
 
 def broadcast_encoder(encoder: Encoder | None, src: int = 0, group: Any = None,

@@ -360,7 +360,8 @@ class ShardedIndex:
         for col, name in ((1, "k"), (5, "search options"), (6, "src"), (7, "dst")):
             same_across_ranks(table[:, col], name)
         if src is None:
-            same_across_ranks(table[:, 2], "q (pass the same queries on every rank, or src=rank to broadcast one rank's)")
+            same_across_ranks(table[:, 2], "q (pass the same queries on every rank, or src=rank to broadcast "
+                                           "one rank's)")
             same_across_ranks(table[:, 3:5], "allow")
             local_q = q
         else:
