@@ -72,11 +72,11 @@ def _rotate_run(Y, X, RP, rows, rmask, d, pw, R: tl.constexpr, DK: tl.constexpr,
     P: tl.constexpr = R[2]
     GP: tl.constexpr = R[4]
     STEP: tl.constexpr = R[5]
-    for p in tl.static_range(P):
-        for g0 in tl.static_range(0, GP, STEP):
+    for p in range(P):  # runtime loops: large dims would unroll into a very long compile
+        for g0 in range(0, GP, STEP):
             cols = R[7] + p * GP + g0 + tl.arange(0, STEP)
             y = tl.zeros((BLOCK_N, STEP), tl.float32)
-            for k0 in tl.static_range(0, DK, BLOCK_K):
+            for k0 in range(0, DK, BLOCK_K):
                 k = k0 + tl.arange(0, BLOCK_K)
                 xk = tl.load(X + rows[:, None].to(tl.int64) * d + k[None, :],
                              mask=rmask[:, None] & (k[None, :] < d), other=0.0)
@@ -95,8 +95,8 @@ def _search_run(dots, sqs, Y, ystride, yrows, rmask, inv, MAG, BND, ALPHAS, R: t
     GP: tl.constexpr = R[4]
     STEP: tl.constexpr = R[5]
     acol = tl.arange(0, AP)[None, :]
-    for p in tl.static_range(P):
-        for g0 in tl.static_range(0, GP, STEP):
+    for p in range(P):
+        for g0 in range(0, GP, STEP):
             g = g0 + tl.arange(0, STEP)
             valid = rmask[:, None] & ((g * P + p) < R[10])[None, :]
             y = tl.load(Y + yrows[:, None] * ystride + R[7] + p * GP + g[None, :], mask=valid, other=0.0)
@@ -125,10 +125,10 @@ def _emit_run(dot, sq, Y, ystride, yrows, rows, rmask, inv, alpha, MAG, BND, OUT
     P: tl.constexpr = R[2]
     GP: tl.constexpr = R[4]
     STEP: tl.constexpr = R[5]
-    for g0 in tl.static_range(0, GP, STEP):
+    for g0 in range(0, GP, STEP):
         g = g0 + tl.arange(0, STEP)
         word = tl.zeros((BLOCK_N, STEP), tl.int32)
-        for p in tl.static_range(P):
+        for p in range(P):
             valid = rmask[:, None] & ((g * P + p) < R[10])[None, :]
             v = tl.load(Y + yrows[:, None] * ystride + R[7] + p * GP + g[None, :], mask=valid, other=0.0) * inv[:, None]
             u = tl.abs(v)
@@ -160,7 +160,7 @@ def _encode_kernel(X, XN, RP, SCRATCH, n, d, pw, MAG, BND, ALPHAS, OUT, row_byte
         rows = blk * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < n
         ss = tl.zeros((BLOCK_N,), tl.float32)
-        for k0 in tl.static_range(0, DK, BLOCK_K):
+        for k0 in range(0, DK, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             xk = tl.load(XN + rows[:, None].to(tl.int64) * d + k[None, :], mask=rmask[:, None] & (k[None, :] < d),
                          other=0.0)

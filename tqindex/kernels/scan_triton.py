@@ -161,7 +161,7 @@ def _run_scores(acc, sq, rows, rmask, CODES, row_bytes, QP, qw, qcols, qmask, MA
                 BK: tl.constexpr, BOFF: tl.constexpr, QOFF: tl.constexpr, NBYTES: tl.constexpr,
                 W: tl.constexpr, L2: tl.constexpr, DECODE: tl.constexpr, T0, T1, T2, T3):
     """Add one run's contribution to the score tile acc [BLOCK_N, BLOCK_Q] (and its squared levels to sq)."""
-    for k0 in tl.static_range(0, GP, BK):
+    for k0 in range(0, GP, BK):  # a runtime loop: large dims would unroll into a very long compile
         g = k0 + tl.arange(0, BK)  # groups of this step
         gmask = rmask[:, None] & (g[None, :] < G)
         base = CODES + rows[:, None].to(tl.int64) * row_bytes + BOFF + g[None, :] * GB  # [BLOCK_N, BK]
