@@ -517,6 +517,9 @@ def _flatten_object(obj: Any, path: str, leaves: list[tuple[str, Tensor]]) -> tu
             value = _EncoderRef(encoder_key(value))
         elif name == "layers":
             value = tuple(_flatten_object(layer, f"layers.{i}.", leaves) for i, layer in enumerate(value))
+        elif isinstance(value, (list, tuple, dict)) and any(isinstance(t, Tensor) for t in pytree.tree_leaves(value)):
+            raise TypeError(f"{type(obj).__name__}.{name} holds tensors in a container: TQCache flattens tensors "
+                            "that are attributes of its layers only")
         items.append((name, value))
     return type(obj), tuple(items)
 

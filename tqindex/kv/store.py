@@ -349,9 +349,8 @@ class KVStore:
         self.select(rows.repeat_interleave(repeats))
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> None:
-        """Move the codes and windows to ``device`` (offloading; nothing is decoded). ``non_blocking`` as in
-        :meth:`torch.Tensor.to`: asynchronous host-to-device copies need page-locked host memory, which a
-        non-blocking device-to-host copy allocates."""
+        """Move the codes and windows to ``device`` (offloading; nothing is decoded), ``non_blocking`` as in
+        :meth:`torch.Tensor.to`."""
         if self.keys is None:
             return
         self.keys.to(device, non_blocking)
