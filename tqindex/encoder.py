@@ -52,6 +52,7 @@ class Encoder(ABC):
         self._state: dict[str, Tensor] = self._build()
         self._per_device: dict[torch.device, dict[str, Tensor]] = {}
         self._rotations: dict[torch.device, Rotation] = {}
+        self._derived: dict[tuple[torch.device, str], Any] = {}
 
     def _validate(self) -> None:
         """Check subclass fields (raise ValueError naming the field)."""
@@ -73,8 +74,21 @@ class Encoder(ABC):
             if tuple(v.shape) != tuple(ref.shape) or v.dtype != ref.dtype:
                 raise ValueError(f"encoder tensor {k!r}: got {tuple(v.shape)} {v.dtype}, expected {tuple(ref.shape)} {ref.dtype}")
         self._state = {k: v.detach().cpu().clone() for k, v in tensors.items()}
+        self._tensors_changed()
+
+    def _tensors_changed(self) -> None:
+        """Drop everything derived from the tensors (per-device copies, rotations, kernel tables)."""
         self._per_device.clear()
         self._rotations.clear()
+        self._derived.clear()
+
+    def derived(self, device: torch.device | str, key: str, build: Callable[[], Any]) -> Any:
+        """What ``build()`` derives from the encoder's tensors for ``device`` (kernel tables, ...), built once
+        per device and key, dropped when the tensors change."""
+        slot = (torch.device(device), key)
+        if slot not in self._derived:
+            self._derived[slot] = build()
+        return self._derived[slot]
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable configuration of the codes: ``{"type": class name, field: value, ...}`` (the

@@ -9,6 +9,8 @@ element j sits at bit ``b · (j mod 8/b)`` of byte ``j // (8/b)``; b = 3 packs 8
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 from torch import Tensor
 
@@ -91,10 +93,14 @@ def byte_table(levels: Tensor, bits: int) -> Tensor:
     """Values of the ``8 // bits`` codes in every possible byte: levels [2^bits] -> [256, 8 // bits]."""
     if bits not in (1, 2, 4, 8):
         raise ValueError(f"byte tables exist for bits 1, 2, 4, 8, got {bits!r}")
-    per_byte = 8 // bits
-    all_bytes = torch.arange(256, dtype=torch.uint8, device=levels.device)[:, None]  # [256, 1]
-    codes = unpack(all_bytes, bits, per_byte)  # [256, per_byte]
-    return levels.index_select(0, codes.reshape(-1).to(torch.int32)).reshape(256, per_byte)
+    return levels.index_select(0, _byte_codes(bits, levels.device)).reshape(256, 8 // bits)
+
+
+@lru_cache(maxsize=64)
+def _byte_codes(bits: int, device: torch.device) -> Tensor:
+    """The codes of every byte value, int32 [256 * (8 // bits)] on ``device`` (cached)."""
+    all_bytes = torch.arange(256, dtype=torch.uint8, device=device)[:, None]  # [256, 1]
+    return unpack(all_bytes, bits, 8 // bits).reshape(-1).to(torch.int32)
 
 
 def unpack_values(packed: Tensor, bits: int, dim: int, levels: Tensor) -> Tensor:

@@ -142,8 +142,7 @@ class TurboQuantPCA(DirectionEncoder):
         self.groups = [list(p) for p in groups]
         self._validate()
         self._state = {"matrix": matrix, "trained": torch.ones(1), **state}
-        self._per_device.clear()
-        self._rotations.clear()
+        self._tensors_changed()
 
     @property
     def code_size(self) -> int:

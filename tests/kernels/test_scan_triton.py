@@ -89,3 +89,20 @@ def test_ivf_scan_equals_the_reference(metric):
         index.backend = backend
         out.append(index.search(q.to(DEVICE), 15))
     same_up_to_ties(*out[0], *out[1])
+
+
+@pytest.mark.parametrize("room", [(3, 256), (0, 0)])  # (0, 0): no room, every query scanned again
+def test_sampled_bound_then_filter(monkeypatch, room):
+    """Large scans bound each query's k-th best by the top-k of a sample, keep the rows that reach it, and
+    scan overflowing queries again with a running top-k: the same results as the reference."""
+    import tqindex.kernels.scan_triton as st
+
+    monkeypatch.setattr(st, "SAMPLE_MIN", 40)
+    monkeypatch.setattr(st, "SAMPLE_FRACTION", 8)
+    monkeypatch.setattr(st, "CAPACITY_FACTOR", room[0])
+    monkeypatch.setattr(st, "CAPACITY_EXTRA", room[1])
+    x, q = data(700, 64, 11).to(DEVICE), data(5, 64, 12).to(DEVICE)
+    index = flat("tq4", 64, "l2", x)
+    D0, I0 = index.search(q, 10)
+    index.backend = "triton"
+    same_up_to_ties(*index.search(q, 10), D0, I0)

@@ -10,6 +10,7 @@ the planes of a group with shifts. No slicing or reshaping of registers is neede
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any, NamedTuple, Sequence
 
 import torch
@@ -90,5 +91,9 @@ def plane_coordinates(layouts: Sequence[RunLayout], dim: int) -> Tensor:
 
 def to_planes(x: Tensor, layouts: Sequence[RunLayout]) -> Tensor:
     """Rows x [m, dim] in planar order [m, plane_width] (zeros where padded)."""
-    coords = plane_coordinates(layouts, x.shape[1]).to(x.device)
-    return torch.nn.functional.pad(x, (0, 1))[:, coords]
+    return torch.nn.functional.pad(x, (0, 1))[:, _coordinates(tuple(layouts), x.shape[1], x.device)]
+
+
+@lru_cache(maxsize=64)
+def _coordinates(layouts: tuple[RunLayout, ...], dim: int, device: torch.device) -> Tensor:
+    return plane_coordinates(layouts, dim).to(device)

@@ -37,7 +37,10 @@ from ..topk import TopK
 from .planes import RunLayout, run_layouts, to_planes
 
 BLOCK_N = 64
-"""Code rows per tile (the MMA's M dimension)."""
+"""Code rows per tile (the MMA's M dimension); 128 with 64 queries spills registers."""
+BLOCK_N_FEW = 256
+"""Code rows per tile for up to 16 queries: more code bytes in flight per program."""
+MODE_TOPK, MODE_FILTER, MODE_MAX = 0, 1, 2
 MAX_BLOCK_Q = 64
 """Queries per program at most (the MMA's N dimension; at least 16)."""
 PROGRAMS_PER_SM = 4
@@ -248,12 +251,16 @@ def _insert(vals, idx, score, rows, KT: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _flat_scan_kernel(CODES, NORM, n, row_bytes, QP, qw, nq, QSCALE, MAG, OUT_V, OUT_I, rows_per_split,
+                      THR, COUNT, cap,
                       R0: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr, L2: tl.constexpr,
                       DECODE: tl.constexpr, KT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
-                      T0, T1, T2, T3, T4, T5, T6, T7, T8, T9, T10, T11, TOPK: tl.constexpr = True):
-    """Program (query block, row split): top-KT of rows [split * rows_per_split, ...) for BLOCK_Q queries,
-    written to OUT_V / OUT_I [splits, KT, nq]. ``TOPK=False`` keeps only each column's maximum (to time
-    the scan without its top-k)."""
+                      T0, T1, T2, T3, T4, T5, T6, T7, T8, T9, T10, T11, MODE: tl.constexpr):
+    """Program (query block, row split) over rows [split * rows_per_split, ...) for BLOCK_Q queries.
+
+    MODE 0 (top-k): the top-KT rows of each query, written to OUT_V / OUT_I [splits, KT, nq].
+    MODE 1 (filter): every row scoring at least THR[q] appended to OUT_V / OUT_I [nq, cap] at the query's
+    count COUNT[q] (atomic; rows past ``cap`` are counted, not written).
+    MODE 2: only each query's maximum (to time the scan alone)."""
     qb, sp = tl.program_id(0), tl.program_id(1)
     qcols = qb * BLOCK_Q + tl.arange(0, BLOCK_Q)
     qmask = qcols < nq
@@ -262,18 +269,29 @@ def _flat_scan_kernel(CODES, NORM, n, row_bytes, QP, qw, nq, QSCALE, MAG, OUT_V,
     start = sp * rows_per_split
     stop = tl.minimum(start + rows_per_split, n)
     T = (T0, T1, T2, T3, T4, T5, T6, T7, T8, T9, T10, T11)
+    if MODE == 1:
+        thr = tl.load(THR + qcols, mask=qmask, other=float("inf"))
     for r0 in range(start, stop, BLOCK_N):
         rows = r0 + tl.arange(0, BLOCK_N)
         rows = tl.where(rows < stop, rows, n)  # past this split: masked like rows past the end
         score = _tile_scores(rows, n, CODES, NORM, row_bytes, QP, qw, qcols, qmask, QSCALE, MAG,
                              R0, R1, R2, L2, DECODE, BLOCK_N, BLOCK_Q, T)
-        if TOPK:
+        if MODE == 0:
             vals, idx = _insert(vals, idx, score, rows, KT, BLOCK_N)
+        elif MODE == 1:
+            hit = (score >= thr[None, :]) & qmask[None, :]
+            if tl.max(tl.max(hit.to(tl.int32), axis=1), axis=0) > 0:  # rare once past the first tiles
+                slot = tl.atomic_add(COUNT + qcols[None, :] + 0 * rows[:, None], 1, mask=hit)
+                ok = hit & (slot < cap)
+                at = qcols[None, :].to(tl.int64) * cap + slot
+                tl.store(OUT_V + at, score, mask=ok)
+                tl.store(OUT_I + at, rows[:, None] + 0 * qcols[None, :], mask=ok)
         else:
             vals = tl.maximum(vals, tl.max(score, axis=0)[None, :])
-    out = sp * KT * nq + tl.arange(0, KT)[:, None] * nq + qcols[None, :]
-    tl.store(OUT_V + out, vals, mask=qmask[None, :])
-    tl.store(OUT_I + out, idx, mask=qmask[None, :])
+    if MODE != 1:
+        out = sp * KT * nq + tl.arange(0, KT)[:, None] * nq + qcols[None, :]
+        tl.store(OUT_V + out, vals, mask=qmask[None, :])
+        tl.store(OUT_I + out, idx, mask=qmask[None, :])
 
 
 @triton.jit
@@ -361,9 +379,27 @@ def default_decode(device: torch.device) -> int:
     return DECODE_PRMT if device.type == "cuda" else DECODE_SELECT
 
 
+def _scan_tables(encoder: Any, device: torch.device) -> tuple[tuple, Tensor, list[int]]:
+    """What a scan of ``encoder``'s codes needs on ``device`` (cached per encoder and device): the runs'
+    layouts (constexpr tuples), their magnitudes float32 [total] and the prmt table words."""
+    layouts, mags, _ = run_layouts(encoder.code_runs(device))
+    mags = mags.to(device)
+    return tuple(tuple(r) for r in layouts), mags, prmt_tables(mags, layouts)
+
+
 def candidate_depth(k: int) -> int:
     """Candidates kept per query by the f16 scan before exact re-scoring: a power of two >= k + max(8, k/4)."""
     return triton.next_power_of_2(k + max(8, k // 4))
+
+
+SAMPLE_FRACTION = 64
+"""A flat scan first takes the top-k of one row in this many (at least SAMPLE_MIN rows): its k-th best
+score per query bounds the final k-th best from below, so the full scan keeps only the rows that reach
+it (about k * SAMPLE_FRACTION per query) instead of maintaining a running top-k."""
+SAMPLE_MIN = 4096
+CAPACITY_FACTOR, CAPACITY_EXTRA = 3, 256
+"""Candidate room per query in the filtering scan: CAPACITY_FACTOR times the expected count plus
+CAPACITY_EXTRA; a query whose candidates overflow it is scanned again with the running top-k."""
 
 
 class TritonScorer(Scorer):
@@ -372,41 +408,73 @@ class TritonScorer(Scorer):
 
     def __init__(self, encoder: Any, qs: Tensor, l2: bool, bar: Any = None, decode: int | None = None) -> None:
         super().__init__(encoder, qs, l2, bar)
-        runs = encoder.code_runs(qs.device)
-        self.layouts, mags, _ = run_layouts(runs)
-        self.mags = mags.to(qs.device)
-        self.qp, self.qscale = planar_queries(qs.float(), self.layouts)
+        self.runs, self.mags, self.tables = encoder.derived(qs.device, "triton-scan", lambda: _scan_tables(encoder, qs.device))
+        self.qp, self.qscale = planar_queries(qs.float(), [RunLayout(*r) for r in self.runs])
         self.decode = default_decode(qs.device) if decode is None else decode
-        self.tables = prmt_tables(self.mags, self.layouts)
-        self.runs = tuple(tuple(r) for r in self.layouts)
 
     def _common(self, m: int) -> dict:
         block_q = max(16, min(MAX_BLOCK_Q, triton.next_power_of_2(m)))
         return dict(R0=self.runs[0], R1=self.runs[1], R2=self.runs[2], L2=self.l2, DECODE=self.decode,
-                    BLOCK_N=BLOCK_N, BLOCK_Q=block_q)
+                    BLOCK_N=BLOCK_N_FEW if block_q == 16 else BLOCK_N, BLOCK_Q=block_q)
 
     # -- flat -------------------------------------------------------------------------------------------
-    def scan(self, codes: Codes, k: int, rows: Tensor | None = None, topk: bool = True) -> tuple[Tensor, Tensor]:
-        """The flat kernel over codes [n] for query rows ``rows`` (all when None): approximate scores and rows
-        of each program's candidates, (float32 [m, c], int32 [m, c]); ``topk=False`` times the scan
-        without its top-k (then only each column's maximum is kept)."""
+    def scan(self, codes: Codes, k: int, rows: Tensor | None = None, mode: int = MODE_TOPK,
+             threshold: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+        """The flat kernel over codes [n] for query rows ``rows`` (all when None) -> (approximate scores float32
+        [m, c], their rows int32 [m, c], candidate counts int32 [m] or None). MODE_TOPK: each program's top
+        candidates; MODE_FILTER: the rows scoring at least ``threshold`` [m] (counts may exceed c: overflow);
+        MODE_MAX: each query's maximum only (to time the scan alone)."""
         sel = slice(None) if rows is None else rows
         qp, qscale = self.qp[sel].contiguous(), self.qscale[sel].contiguous()
         n, m, kt = len(codes), len(qp), candidate_depth(k)
         common = self._common(m)
-        q_blocks = triton.cdiv(m, common["BLOCK_Q"])
+        block_n, q_blocks = common["BLOCK_N"], triton.cdiv(m, common["BLOCK_Q"])
         sms = torch.cuda.get_device_properties(qp.device).multi_processor_count if qp.is_cuda else 4
-        splits = max(1, min(triton.cdiv(n, 4 * BLOCK_N), triton.cdiv(PROGRAMS_PER_SM * sms, q_blocks)))
-        per_split = triton.cdiv(triton.cdiv(n, splits), BLOCK_N) * BLOCK_N
+        splits = max(1, min(triton.cdiv(n, 4 * block_n), triton.cdiv(PROGRAMS_PER_SM * sms, q_blocks)))
+        per_split = triton.cdiv(triton.cdiv(n, splits), block_n) * block_n
         splits = triton.cdiv(n, per_split)
-        out_v = torch.empty(splits, kt, m, device=qp.device)
-        out_i = torch.empty(splits, kt, m, dtype=torch.int32, device=qp.device)
+        count = cap = None
+        if mode == MODE_FILTER:
+            cap = CAPACITY_FACTOR * candidate_depth(k) * SAMPLE_FRACTION + CAPACITY_EXTRA
+            out_v = torch.empty(m, cap, device=qp.device)
+            out_i = torch.empty(m, cap, dtype=torch.int32, device=qp.device)
+            count = torch.zeros(m, dtype=torch.int32, device=qp.device)
+        else:
+            out_v = torch.empty(splits, kt, m, device=qp.device)
+            out_i = torch.empty(splits, kt, m, dtype=torch.int32, device=qp.device)
         qdata, norm = codes.qdata.contiguous(), codes.norm.contiguous()
-        _flat_scan_kernel[(q_blocks, splits)](qdata, norm, n, qdata.shape[1], qp, qp.shape[1], m, qscale,
-                                              self.mags, out_v, out_i, per_split, KT=kt, **common,
-                                              **{f"T{i}": self.tables[i] for i in range(12)}, TOPK=topk,
-                                              num_warps=NUM_WARPS)
-        return out_v.permute(2, 0, 1).reshape(m, -1), out_i.permute(2, 0, 1).reshape(m, -1)
+        _flat_scan_kernel[(q_blocks, splits)](
+            qdata, norm, n, qdata.shape[1], qp, qp.shape[1], m, qscale, self.mags, out_v, out_i, per_split,
+            qscale if threshold is None else threshold.float().contiguous(), qscale if count is None else count,
+            cap or 0, KT=kt, **common, **{f"T{i}": self.tables[i] for i in range(12)}, MODE=mode,
+            num_warps=NUM_WARPS)
+        if mode == MODE_FILTER:
+            filled = torch.arange(cap, device=qp.device)[None, :] < count[:, None]
+            return out_v.masked_fill(~filled, float("-inf")), out_i, count
+        return out_v.permute(2, 0, 1).reshape(m, -1), out_i.permute(2, 0, 1).reshape(m, -1), None
+
+    def candidates(self, codes: Codes, k: int, rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Approximate scores and rows [m, c] that hold every query's top candidate_depth(k) rows: a
+        running top-k for small n; else the top-k of a sample bounds the k-th best and a filtering scan
+        keeps the rows that reach it (queries whose candidates overflow are scanned again with a running
+        top-k)."""
+        n, kt = len(codes), candidate_depth(k)
+        sample = max(SAMPLE_MIN, n // SAMPLE_FRACTION)
+        if n <= 2 * sample:
+            return self.scan(codes, k, rows)[:2]
+        vals, _, _ = self.scan(codes[:sample], k, rows)
+        bound = torch.topk(vals, kt, dim=1).values[:, -1]  # the sample's kt-th best: <= the final kt-th best
+        vals, cand, count = self.scan(codes, k, rows, MODE_FILTER, bound)
+        over = torch.nonzero(count > vals.shape[1]).squeeze(1)
+        if len(over):  # rare: more rows reach the bound than there is room for
+            again = over if rows is None else rows[over]
+            v2, c2, _ = self.scan(codes, k, again)
+            width = max(vals.shape[1], v2.shape[1])
+            vals = torch.nn.functional.pad(vals, (0, width - vals.shape[1]), value=float("-inf"))
+            cand = torch.nn.functional.pad(cand, (0, width - cand.shape[1]), value=-1)
+            vals[over] = torch.nn.functional.pad(v2, (0, width - v2.shape[1]), value=float("-inf"))
+            cand[over] = torch.nn.functional.pad(c2, (0, width - c2.shape[1]), value=-1)
+        return vals, cand
 
     def push(self, codes: Codes, labels: Tensor | int, top: TopK, rows: Tensor | None = None,
              offset: Tensor | None = None, shift: Tensor | None = None) -> None:
@@ -415,9 +483,8 @@ class TritonScorer(Scorer):
         n, m = len(codes), self.m if rows is None else len(rows)
         if n == 0 or m == 0:
             return
-        kt = candidate_depth(top.k)
-        vals, cand = self.scan(codes, top.k, rows)
-        rows_of = self._best(vals, cand, kt)  # [m, kt] candidate rows, -1 where none
+        vals, cand = self.candidates(codes, top.k, rows)
+        rows_of = self._best(vals, cand, candidate_depth(top.k))  # [m, kt] candidate rows, -1 where none
         exact = self._exact(rows, codes[rows_of.clamp_min(0).reshape(-1)], rows_of)
         if isinstance(labels, int):
             lab = torch.where(rows_of >= 0, rows_of + labels, -1)
