@@ -17,7 +17,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 from tiny import (  # noqa: E402
-    CACHE_KW, attention_for, compressed_layers, forward, generate, llama_config, make_cache, prompt, seeded,
+    CACHE_KW, VOCAB, attention_for, compressed_layers, forward, generate, llama_config, make_cache, prompt, seeded,
 )  # fmt: skip
 from transformers import BartConfig, BartForConditionalGeneration, DynamicCache, EncoderDecoderCache  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
@@ -141,6 +141,21 @@ def test_batch_operations(llama, kind):
         llama.set_attn_implementation(attention_for(k))
         forward(llama, step, c)
     _assert_same_contents(cache, reference, _tolerance(kind))
+
+
+@pytest.mark.parametrize("strategy", ["prompt_lookup", "assistant"])
+def test_speculative_decoding_crops_like_dynamic_cache(strategy):
+    """Prompt-lookup and assisted decoding crop rejected draft tokens with the installed transformers'
+    crop convention: TQCache decodes the same tokens as DynamicCache."""
+    model = seeded(LlamaForCausalLM, llama_config(eos_token_id=VOCAB - 1))  # 5.0's prompt lookup needs an eos id
+    ids = prompt(length=16)
+    ids[:, 8:] = ids[:, :8]  # repeats, for prompt lookup to draft from
+    if strategy == "prompt_lookup":
+        kw = {"prompt_lookup_num_tokens": 3}
+    else:
+        kw = {"assistant_model": seeded(LlamaForCausalLM, llama_config(num_hidden_layers=2, eos_token_id=VOCAB - 1))}
+    expected = generate(model, DynamicCache(config=model.config), "sdpa", input_ids=ids, **kw)
+    assert torch.equal(generate(model, make_cache("tq8", model), input_ids=ids, **kw), expected)
 
 
 @pytest.mark.parametrize("kind", KINDS)
