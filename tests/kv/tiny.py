@@ -47,10 +47,9 @@ def tq8(model_or_config, **kw) -> TQCache:
 
 def make_cache(kind: str, model_or_config=None, **kw) -> DynamicCache:
     """``"dynamic"``: DynamicCache(config=...); ``"tq8"``: :func:`tq8`. Without a model or config: lazy layers."""
-    config = getattr(model_or_config, "config", model_or_config)
     if kind == "dynamic":
-        return DynamicCache(config=config, **kw)
-    return TQCache(config, "tq8", "tq8", **{"residual_length": 4, "protected_layers": 1, **kw})
+        return DynamicCache(config=getattr(model_or_config, "config", model_or_config), **kw)
+    return tq8(model_or_config, **kw)
 
 
 def attention_for(kind: str) -> str:
