@@ -78,7 +78,7 @@ def test_is_a_dynamic_cache_with_its_layer_structure(llama, kind):
     cache = make_cache(kind, llama)
     assert isinstance(cache, DynamicCache) and isinstance(cache, Cache)
     assert len(cache) == 4 and cache.is_sliding == [False] * 4
-    max_length = getattr(cache, "get_max_length", None) or cache.get_max_cache_shape  # its name before 5.3
+    max_length = getattr(cache, "get_max_length", None) or cache.get_max_cache_shape  # its name in older 5.x
     assert cache.get_seq_length() == 0 and not cache.is_initialized and max_length() == -1
     assert all(layer.keys is None and layer.values is None for layer in cache.layers)
     cache, logits = _filled(llama, kind, batch=2)

@@ -25,10 +25,11 @@ transformers 5.0 (the oldest release the ``kv`` extra allows) and the newest 5.x
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Iterator
 from copy import deepcopy
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -159,7 +160,7 @@ class TQLayer(CacheLayerMixin):
 
     def get_mask_sizes(self, query_length: int | Tensor) -> tuple[int, int]:
         """(kv_length, kv_offset) of the next attention call, for the mask. ``query_length``: the number of
-        new tokens (transformers >= 5.3 passes it; older releases pass ``cache_position`` [Q])."""
+        new tokens (older 5.x releases pass ``cache_position`` [Q] instead)."""
         if isinstance(query_length, Tensor):
             query_length = query_length.shape[0]
         return self.get_seq_length() + query_length, 0
@@ -170,7 +171,7 @@ class TQLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
-    get_max_cache_shape = get_max_length  # its name before transformers 5.3
+    get_max_cache_shape = get_max_length  # its name in older 5.x releases
 
     def reset(self) -> None:
         self.store = KVStore(self.store.key_encoder, self.store.value_encoder, self.store.residual_length)
@@ -524,7 +525,7 @@ def _flatten_object(obj: Any, path: str, leaves: list[tuple[str, Tensor]]) -> tu
     return type(obj), tuple(items)
 
 
-def _unflatten_object(context: tuple[type, tuple], leaves: Iterable[Tensor]) -> Any:
+def _unflatten_object(context: tuple[type, tuple], leaves: Iterator[Tensor]) -> Any:
     cls, items = context
     obj = object.__new__(cls)
     for name, value in items:
