@@ -246,6 +246,8 @@ class TQCache(DynamicCache):
       they are encoded again as they leave it.
     - Offloading moves codes and windows; on a CPU cache there is nothing to offload and it does nothing.
     - Keys and values are not checked for NaN or inf (see :mod:`tqindex.kv.store`).
+    - A ``torch.compile``-d decode step compiles again whenever a layer's code buffer grows (O(log T) times
+      for T tokens, see :class:`~tqindex.kv.store.CodesBuffer`).
     """
 
     def __init__(
