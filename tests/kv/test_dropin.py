@@ -232,7 +232,8 @@ def test_encoder_decoder_cache(kind):
     cache.batch_repeat_interleave(2)
     cache.batch_select_indices(torch.tensor([1, 2]))
     assert cache.get_seq_length() == length - 2
-    assert cache.self_attention_cache.layers[0].keys.shape[0] == cache.cross_attention_cache.layers[0].keys.shape[0] == 2
+    self_attention, cross_attention = cache.self_attention_cache.layers[0], cache.cross_attention_cache.layers[0]
+    assert self_attention.keys.shape[0] == cross_attention.keys.shape[0] == 2
 
 
 def test_head_dims_below_two_stay_dense(caplog):
@@ -250,7 +251,8 @@ def test_head_dims_below_two_stay_dense(caplog):
 def test_decoding_warning_names_the_reason():
     bare = LlamaConfig()
     assert bare._attn_implementation is None
-    messages = [_decoding_warning(None), _decoding_warning(bare), _decoding_warning(seeded(LlamaForCausalLM, llama_config()).config)]
+    loaded = seeded(LlamaForCausalLM, llama_config()).config
+    messages = [_decoding_warning(None), _decoding_warning(bare), _decoding_warning(loaded)]
     assert "without a config" in messages[0]
     assert "names no attention implementation" in messages[1]
     assert "under 'sdpa' attention" in messages[2] or "under 'eager' attention" in messages[2]

@@ -39,9 +39,11 @@ def test_kv_tests_pass_at_the_lowest_supported_transformers():
         [FLOOR_PYTHON, "-c", "import transformers; print(transformers.__version__)"],
         capture_output=True, text=True, check=True,
     ).stdout.strip()  # fmt: skip
-    assert Version(version) == declared_floor(), f".venv-floor has transformers {version}, the kv extra allows >= {declared_floor()}"
+    floor = declared_floor()
+    assert Version(version) == floor, f".venv-floor has transformers {version}, the kv extra allows >= {floor}"
+    itself = f"--ignore={Path(__file__).relative_to(ROOT)}"
     run = subprocess.run(
-        [FLOOR_PYTHON, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kv", f"--ignore={Path(__file__).relative_to(ROOT)}"],
+        [FLOOR_PYTHON, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kv", itself],
         cwd=ROOT, capture_output=True, text=True, timeout=1800,
     )  # fmt: skip
     assert run.returncode == 0, f"tests/kv under transformers {version}:\n{run.stdout[-6000:]}\n{run.stderr[-2000:]}"

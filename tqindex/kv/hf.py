@@ -535,9 +535,8 @@ def _unflatten_object(context: tuple[type, tuple], leaves: Iterator[Tensor]) -> 
             value = next(leaves)
         elif isinstance(value, _StoreSpec):
             tensors = [next(leaves) for _ in range(value.tensors)]
-            value = KVStore.from_tensors(
-                encoder_from_key(value.key_encoder), encoder_from_key(value.value_encoder), value.residual_length, tensors
-            )
+            encoders = encoder_from_key(value.key_encoder), encoder_from_key(value.value_encoder)
+            value = KVStore.from_tensors(*encoders, value.residual_length, tensors)
         elif isinstance(value, _EncoderRef):
             value = encoder_from_key(value.key)
         elif name == "layers":

@@ -241,7 +241,9 @@ class KVStore:
         if tensors:
             nk, nv = len(_LAYOUTS[store._key_id]), len(_LAYOUTS[store._value_id])
             if len(tensors) != nk + nv + 2:
-                raise ValueError(f"expected {nk + nv + 2} tensors (key planes, value planes, 2 windows), got {len(tensors)}")
+                raise ValueError(
+                    f"expected {nk + nv + 2} tensors (key planes, value planes, 2 windows), got {len(tensors)}"
+                )
             store.keys, store.values = (
                 CodesBuffer(codes, codes.shape[2])
                 for codes in (_codes(store._key_id, tensors[:nk]), _codes(store._value_id, tensors[nk : nk + nv]))
