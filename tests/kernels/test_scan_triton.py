@@ -97,11 +97,12 @@ def test_sampled_bound_then_filter(monkeypatch, room):
     scan overflowing queries again with a running top-k: the same results as the reference."""
     import tqindex.kernels.scan_triton as st
 
-    monkeypatch.setattr(st, "SAMPLE_MIN", 40)
+    monkeypatch.setattr(st, "SAMPLE_TILES", 1)
+    monkeypatch.setattr(st, "BLOCK_N_FMA", 16)
     monkeypatch.setattr(st, "SAMPLE_FRACTION", 8)
     monkeypatch.setattr(st, "CAPACITY_FACTOR", room[0])
     monkeypatch.setattr(st, "CAPACITY_EXTRA", room[1])
-    x, q = data(700, 64, 11).to(DEVICE), data(5, 64, 12).to(DEVICE)
+    x, q = data(1500, 64, 11).to(DEVICE), data(3, 64, 12).to(DEVICE)
     index = flat("tq4", 64, "l2", x)
     D0, I0 = index.search(q, 10)
     index.backend = "triton"

@@ -39,8 +39,10 @@ from .planes import RunLayout, run_layouts, to_planes
 BLOCK_N = 64
 """Code rows per tile (the MMA's M dimension); 128 with 64 queries spills registers."""
 BLOCK_N_FEW = 256
-"""Code rows per tile for up to 16 queries: more code bytes in flight per program."""
-MODE_TOPK, MODE_FILTER, MODE_MAX = 0, 1, 2
+"""Code rows per tile for 5-16 queries: more code bytes in flight per program."""
+BLOCK_N_FMA = 64
+"""Code rows per tile for up to 4 queries, scored by FMAs (larger tiles spill registers at d = 128)."""
+MODE_TOPK, MODE_FILTER, MODE_MAX, MODE_TILE_MAX = 0, 1, 2, 3
 MAX_BLOCK_Q = 64
 """Queries per program at most (the MMA's N dimension; at least 16)."""
 PROGRAMS_PER_SM = 4
@@ -162,8 +164,9 @@ def _plane_levels(grp, p: tl.constexpr, MAG, BITS: tl.constexpr, DECODE: tl.cons
 def _run_scores(acc, sq, rows, rmask, CODES, row_bytes, QP, qw, qcols, qmask, MAG,
                 BITS: tl.constexpr, GB: tl.constexpr, P: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                 BK: tl.constexpr, BOFF: tl.constexpr, QOFF: tl.constexpr, NBYTES: tl.constexpr,
-                W: tl.constexpr, L2: tl.constexpr, DECODE: tl.constexpr, T0, T1, T2, T3):
-    """Add one run's contribution to the score tile acc [BLOCK_N, BLOCK_Q] (and its squared levels to sq)."""
+                W: tl.constexpr, L2: tl.constexpr, DECODE: tl.constexpr, BLOCK_Q: tl.constexpr, T0, T1, T2, T3):
+    """Add one run's contribution to the score tile acc [BLOCK_N, BLOCK_Q] (and its squared levels to sq):
+    MMAs for 16 queries or more, FMAs for fewer."""
     for k0 in range(0, GP, BK):  # a runtime loop: large dims would unroll into a very long compile
         g = k0 + tl.arange(0, BK)  # groups of this step
         gmask = rmask[:, None] & (g[None, :] < G)
@@ -184,9 +187,19 @@ def _run_scores(acc, sq, rows, rmask, CODES, row_bytes, QP, qw, qcols, qmask, MA
             else:
                 v = _plane_levels(grp, p, MAG, BITS, DECODE)
             v = tl.where(gmask & (g[None, :] * P + p < W), v, 0.0).to(tl.float16)  # coordinates of the run only
-            q = tl.load(QP + qcols[None, :] * qw + QOFF + p * GP + g[:, None],
-                        mask=qmask[None, :], other=0.0)  # [BK, BLOCK_Q]
-            acc = tl.dot(v, q, acc)
+            if BLOCK_Q >= 16:  # tensor cores
+                q = tl.load(QP + qcols[None, :] * qw + QOFF + p * GP + g[:, None],
+                            mask=qmask[None, :], other=0.0)  # [BK, BLOCK_Q]
+                acc = tl.dot(v, q, acc)
+            else:  # a few queries: FMAs, no operand layout change
+                vf = v.to(tl.float32)
+                for j in tl.static_range(BLOCK_Q):
+                    qj = tl.sum(tl.where(tl.arange(0, BLOCK_Q) == j, qcols, 0), axis=0)
+                    okj = tl.max(tl.where(tl.arange(0, BLOCK_Q) == j, qmask.to(tl.int32), 0), axis=0)
+                    q = tl.load(QP + qj * qw + QOFF + p * GP + g, mask=(g * 0 + okj) > 0, other=0.0)  # [BK]
+                    q = q.to(tl.float32)
+                    part = tl.sum(vf * q[None, :], axis=1)  # [BLOCK_N]
+                    acc = tl.where(tl.arange(0, BLOCK_Q)[None, :] == j, acc + part[:, None], acc)
             if L2:
                 vf = v.to(tl.float32)
                 sq += tl.sum(vf * vf, axis=1)
@@ -204,17 +217,17 @@ def _tile_scores(rows, n, CODES, NORM, row_bytes, QP, qw, qcols, qmask, QSCALE, 
     sq = tl.zeros((BLOCK_N,), tl.float32)
     acc, sq = _run_scores(acc, sq, rows, rmask, CODES, row_bytes, QP, qw, qcols, qmask, MAG + R0[9],
                           R0[0], R0[1], R0[2], R0[3], R0[4], R0[5], R0[6], R0[7], R0[8], R0[10], L2,
-                          DECODE,
+                          DECODE, BLOCK_Q,
                           T[0], T[1], T[2], T[3])
     if R1[3] > 0:
         acc, sq = _run_scores(acc, sq, rows, rmask, CODES, row_bytes, QP, qw, qcols, qmask, MAG + R1[9],
                               R1[0], R1[1], R1[2], R1[3], R1[4], R1[5], R1[6], R1[7], R1[8], R1[10], L2,
-                          DECODE,
+                          DECODE, BLOCK_Q,
                               T[4], T[5], T[6], T[7])
     if R2[3] > 0:
         acc, sq = _run_scores(acc, sq, rows, rmask, CODES, row_bytes, QP, qw, qcols, qmask, MAG + R2[9],
                               R2[0], R2[1], R2[2], R2[3], R2[4], R2[5], R2[6], R2[7], R2[8], R2[10], L2,
-                          DECODE,
+                          DECODE, BLOCK_Q,
                               T[8], T[9], T[10], T[11])
     s = tl.load(NORM + rows, mask=rmask, other=0.0).to(tl.float32)
     qs = tl.load(QSCALE + qcols, mask=qmask, other=1.0)
@@ -260,7 +273,8 @@ def _flat_scan_kernel(CODES, NORM, n, row_bytes, QP, qw, nq, QSCALE, MAG, OUT_V,
     MODE 0 (top-k): the top-KT rows of each query, written to OUT_V / OUT_I [splits, KT, nq].
     MODE 1 (filter): every row scoring at least THR[q] appended to OUT_V / OUT_I [nq, cap] at the query's
     count COUNT[q] (atomic; rows past ``cap`` are counted, not written).
-    MODE 2: only each query's maximum (to time the scan alone)."""
+    MODE 2: only each query's maximum (to time the scan alone).
+    MODE 3 (tile maxima): each tile's maximum per query, OUT_V [tiles, nq] (tile = first row / BLOCK_N)."""
     qb, sp = tl.program_id(0), tl.program_id(1)
     qcols = qb * BLOCK_Q + tl.arange(0, BLOCK_Q)
     qmask = qcols < nq
@@ -286,9 +300,11 @@ def _flat_scan_kernel(CODES, NORM, n, row_bytes, QP, qw, nq, QSCALE, MAG, OUT_V,
                 at = qcols[None, :].to(tl.int64) * cap + slot
                 tl.store(OUT_V + at, score, mask=ok)
                 tl.store(OUT_I + at, rows[:, None] + 0 * qcols[None, :], mask=ok)
-        else:
+        elif MODE == 2:
             vals = tl.maximum(vals, tl.max(score, axis=0)[None, :])
-    if MODE != 1:
+        else:
+            tl.store(OUT_V + (r0 // BLOCK_N) * nq + qcols, tl.max(score, axis=0), mask=qmask)
+    if MODE == 0 or MODE == 2:
         out = sp * KT * nq + tl.arange(0, KT)[:, None] * nq + qcols[None, :]
         tl.store(OUT_V + out, vals, mask=qmask[None, :])
         tl.store(OUT_I + out, idx, mask=qmask[None, :])
@@ -393,10 +409,11 @@ def candidate_depth(k: int) -> int:
 
 
 SAMPLE_FRACTION = 64
-"""A flat scan first takes the top-k of one row in this many (at least SAMPLE_MIN rows): its k-th best
-score per query bounds the final k-th best from below, so the full scan keeps only the rows that reach
-it (about k * SAMPLE_FRACTION per query) instead of maintaining a running top-k."""
-SAMPLE_MIN = 4096
+"""A flat scan first scans one row in this many (at least SAMPLE_TILES tiles per candidate kept) and
+takes each tile's best score per query: the k-th largest of those (k distinct rows) bounds the final
+k-th best from below, so the full scan keeps only the rows that reach it (about k * SAMPLE_FRACTION per
+query) instead of maintaining a running top-k."""
+SAMPLE_TILES = 4
 CAPACITY_FACTOR, CAPACITY_EXTRA = 3, 256
 """Candidate room per query in the filtering scan: CAPACITY_FACTOR times the expected count plus
 CAPACITY_EXTRA; a query whose candidates overflow it is scanned again with the running top-k."""
@@ -413,9 +430,12 @@ class TritonScorer(Scorer):
         self.decode = default_decode(qs.device) if decode is None else decode
 
     def _common(self, m: int) -> dict:
-        block_q = max(16, min(MAX_BLOCK_Q, triton.next_power_of_2(m)))
+        block_q = max(2, min(MAX_BLOCK_Q, triton.next_power_of_2(m)))
+        if 4 < block_q < 16:  # 5 to 15 queries: one MMA block
+            block_q = 16
+        block_n = BLOCK_N if block_q > 16 else BLOCK_N_FEW if block_q == 16 else BLOCK_N_FMA
         return dict(R0=self.runs[0], R1=self.runs[1], R2=self.runs[2], L2=self.l2, DECODE=self.decode,
-                    BLOCK_N=BLOCK_N_FEW if block_q == 16 else BLOCK_N, BLOCK_Q=block_q)
+                    BLOCK_N=block_n, BLOCK_Q=block_q)
 
     # -- flat -------------------------------------------------------------------------------------------
     def scan(self, codes: Codes, k: int, rows: Tensor | None = None, mode: int = MODE_TOPK,
@@ -434,7 +454,10 @@ class TritonScorer(Scorer):
         per_split = triton.cdiv(triton.cdiv(n, splits), block_n) * block_n
         splits = triton.cdiv(n, per_split)
         count = cap = None
-        if mode == MODE_FILTER:
+        if mode == MODE_TILE_MAX:
+            out_v = torch.empty(triton.cdiv(n, block_n), m, device=qp.device)
+            out_i = out_v  # not written
+        elif mode == MODE_FILTER:
             cap = CAPACITY_FACTOR * candidate_depth(k) * SAMPLE_FRACTION + CAPACITY_EXTRA
             out_v = torch.empty(m, cap, device=qp.device)
             out_i = torch.empty(m, cap, dtype=torch.int32, device=qp.device)
@@ -451,6 +474,8 @@ class TritonScorer(Scorer):
         if mode == MODE_FILTER:
             filled = torch.arange(cap, device=qp.device)[None, :] < count[:, None]
             return out_v.masked_fill(~filled, float("-inf")), out_i, count
+        if mode == MODE_TILE_MAX:
+            return out_v.T, out_i.T, None
         return out_v.permute(2, 0, 1).reshape(m, -1), out_i.permute(2, 0, 1).reshape(m, -1), None
 
     def candidates(self, codes: Codes, k: int, rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -459,11 +484,12 @@ class TritonScorer(Scorer):
         keeps the rows that reach it (queries whose candidates overflow are scanned again with a running
         top-k)."""
         n, kt = len(codes), candidate_depth(k)
-        sample = max(SAMPLE_MIN, n // SAMPLE_FRACTION)
+        block_n = self._common(self.m if rows is None else len(rows))["BLOCK_N"]
+        sample = max(n // SAMPLE_FRACTION, SAMPLE_TILES * kt * block_n)
         if n <= 2 * sample:
             return self.scan(codes, k, rows)[:2]
-        vals, _, _ = self.scan(codes[:sample], k, rows)
-        bound = torch.topk(vals, kt, dim=1).values[:, -1]  # the sample's kt-th best: <= the final kt-th best
+        maxima, _, _ = self.scan(codes[:sample], k, rows, MODE_TILE_MAX)  # [m, tiles]
+        bound = torch.topk(maxima, kt, dim=1).values[:, -1]  # kt distinct rows reach it: <= the final kt-th best
         vals, cand, count = self.scan(codes, k, rows, MODE_FILTER, bound)
         over = torch.nonzero(count > vals.shape[1]).squeeze(1)
         if len(over):  # rare: more rows reach the bound than there is room for
