@@ -6,6 +6,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Without a GPU the Triton kernels run in Triton's CPU interpreter, which must be chosen before triton is
+# imported anywhere.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # Statistical tests use fixed seeds; keep CPU threads modest on small CI machines.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 

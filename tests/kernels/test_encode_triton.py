@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import tqindex as tq
-from conftest import DEVICE, needs_triton
+from devices import DEVICE, needs_triton
 from tqindex.directions import encode_directions, encode_directions_reference, search_alphas
 from tqindex.packing import packed_size, unpack
 

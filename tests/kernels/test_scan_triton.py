@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import tqindex as tq
-from conftest import DEVICE, needs_triton
+from devices import DEVICE, needs_triton
 
 pytestmark = needs_triton
 
