@@ -326,7 +326,12 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("gpu_search.py needs a CUDA GPU")
     device = torch.device("cuda")
     env = _env.environment(torch.get_num_threads())
-    env["git_sha"] = os.environ.get("TQINDEX_GIT_SHA", env["git_sha"])  # a copy of the tree without .git
+    if os.environ.get("TQINDEX_GIT_SHA"):  # a copy of the tree whose git data is not its own: the commit it was
+        # copied from is named, and the sources' digests, taken there, must equal the ones read here
+        expected = (os.environ.get("TQINDEX_SOURCES_SHA256"), os.environ.get("TQINDEX_BENCHMARKS_SHA256"))
+        env["git_sha"] = os.environ["TQINDEX_GIT_SHA"]
+        env["git_dirty"] = expected != (env["tqindex_sources_sha256"], env["benchmarks_sources_sha256"])
+        env["git_changes"] = ["sources differ from the named commit"] if env["git_dirty"] else []
     out = _run.run_folder(args.out, "gpu_search", env)
     results = _run.Results(out / "gpu_search.json", {"env": env, "args": vars(args), "roofline": {}, "encode": {},
                                                      "flat": {}, "ivf": {}}, args.restart)
