@@ -293,12 +293,10 @@ def _flat_scan_kernel(CODES, NORM, n, row_bytes, QP, qw, nq, QSCALE, MAG, OUT_V,
         if MODE == 0:
             vals, idx = _insert(vals, idx, score, rows, KT, BLOCK_N)
         elif MODE == 1:
-            hit = ((score >= thr[None, :]) & qmask[None, :]).to(tl.int32)
-            hits = tl.sum(hit, axis=0)  # [BLOCK_Q]
-            if tl.max(hits, axis=0) > 0:  # rare: about one tile in SAMPLE_FRACTION * BLOCK_N / k per query
-                base = tl.atomic_add(COUNT + qcols, hits, mask=hits > 0)  # one atomic per query and tile
-                slot = base[None, :] + tl.cumsum(hit, axis=0) - 1  # the hits of a column in row order
-                ok = (hit > 0) & (slot < cap)
+            hit = (score >= thr[None, :]) & qmask[None, :]
+            if tl.max(tl.max(hit.to(tl.int32), axis=1), axis=0) > 0:  # rare once past the first tiles
+                slot = tl.atomic_add(COUNT + qcols[None, :] + 0 * rows[:, None], 1, mask=hit)
+                ok = hit & (slot < cap)
                 at = qcols[None, :].to(tl.int64) * cap + slot
                 tl.store(OUT_V + at, score, mask=ok)
                 tl.store(OUT_I + at, rows[:, None] + 0 * qcols[None, :], mask=ok)
