@@ -75,3 +75,12 @@ def test_readme_kv_cache_example_runs(capsys):
     assert 1000 < inputs.input_ids.shape[1] < 1300
     assert cache.nbytes() / cache.nbytes_dense() < 0.5  # really compressed: codes beyond the window
     assert "of a bfloat16 DynamicCache" in capsys.readouterr().out
+
+
+def test_readme_devices_example_runs():
+    """The device example as printed: on the CPU here (compiled kernels), on CUDA where there is one."""
+    scope: dict = {}
+    exec(compile(block_with("python", "device=device"), str(README), "exec"), scope)
+    I = scope["I"]
+    assert isinstance(I, torch.Tensor) and I.shape == (1000, 10) and I.device.type == scope["x"].device.type
+    assert (I[:, 0].cpu() == torch.arange(1000)).float().mean() > 0.99  # each vector finds itself first
