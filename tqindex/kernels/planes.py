@@ -97,3 +97,14 @@ def to_planes(x: Tensor, layouts: Sequence[RunLayout]) -> Tensor:
 @lru_cache(maxsize=64)
 def _coordinates(layouts: tuple[RunLayout, ...], dim: int, device: torch.device) -> Tensor:
     return plane_coordinates(layouts, dim).to(device)
+
+
+def attention_reads(key_encoder: Any, value_encoder: Any, mask: Tensor | None) -> bool:
+    """Whether the GPU attention kernel reads these codes and this mask: direction codes of one coded run
+    covering dims up to 256 (keys and values), and no mask or one shared by all query heads
+    ([B|1, 1, Q, T])."""
+    for enc in (key_encoder, value_encoder):
+        runs = enc.code_runs() if hasattr(enc, "code_runs") and enc.is_trained else []
+        if len(runs) != 1 or not runs[0].bits or enc.dim > 256:
+            return False
+    return mask is None or (mask.dim() == 4 and mask.shape[1] == 1)

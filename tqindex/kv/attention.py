@@ -20,6 +20,8 @@ import math
 import torch
 from torch import Tensor
 
+from .. import kernels
+from ..kernels.planes import attention_reads
 from .store import CompressedTokens
 
 BLOCK_TOKENS = 1024
@@ -36,18 +38,25 @@ def compressed_attention(
     softcap: float | None = None,
     causal: bool = True,
     block_tokens: int = BLOCK_TOKENS,
+    backend: str | None = None,
 ) -> Tensor:
     """Attention of queries over compressed K/V.
 
     q [B, Hq, Q, Dk] float; keys / values CompressedTokens [B, Hkv, T, Dk / Dv] with Hq a multiple of
     Hkv (query head h reads KV head h // (Hq / Hkv)); mask as in the module docstring; ``softcap``
     applies ``softcap · tanh(s / softcap)`` to the scaled scores. Fully masked rows give 0.
+    ``backend`` (default: the key encoder's): "triton" runs the GPU kernel (``kernels/attention_triton.py``)
+    where it reads the codes and the mask, "torch" the blockwise PyTorch body below (see ``kernels.select``).
     Returns [B, Hq, Q, Dv] in q's dtype (computed in float32).
     """
     b, hq, nq, _ = q.shape
     hkv, total, tc = _check(q, keys, values)
     if not isinstance(block_tokens, int) or block_tokens < 1:
         raise ValueError(f"block_tokens must be an integer >= 1, got {block_tokens!r}")
+    if _fused(q, keys, values, mask, backend) == "triton":
+        from ..kernels.attention_triton import compressed_attention_triton  # imports triton
+
+        return compressed_attention_triton(q, keys, values, mask, scaling, softcap, causal)
     groups = hq // hkv
     qg = q.float().reshape(b, hkv, groups * nq, q.shape[-1])  # [B, Hkv, G*Q, Dk]
     state = _OnlineSoftmax(qg.shape[:3], values.shape[-1], q.device)
@@ -55,7 +64,7 @@ def compressed_attention(
     def logits(scores: Tensor, t0: int, t1: int) -> Tensor:  # scores [B, Hkv, G*Q, n]
         return _logits(scores, scaling, softcap, _block_bias(mask, causal, nq, total, t0, t1, q.device), groups)
 
-    qr = keys.encoder.prepare_queries(qg)  # R q, [B, Hkv, G*Q, Dk]
+    qr = keys.encoder.rotate(qg)  # R q, [B, Hkv, G*Q, Dk] (q is checked: no second pass over it)
     for t0 in range(0, tc, block_tokens):
         t1 = min(t0 + block_tokens, tc)
         scores = keys.encoder.score_prepared(qr, keys.codes[:, :, t0:t1])
@@ -66,6 +75,15 @@ def compressed_attention(
         k = keys.window[:, :, w0:w1].float()  # [B, Hkv, n, Dk]
         state.add(logits(qg @ k.mT, tc + w0, tc + w1), values.window[:, :, w0:w1].float())
     return state.result().reshape(b, hq, nq, -1).to(q.dtype)
+
+
+def _fused(q: Tensor, keys: CompressedTokens, values: CompressedTokens, mask: Tensor | None,
+           backend: str | None) -> str:
+    """The backend of one attention call: "triton" where the GPU kernel reads both encoders' codes and the
+    mask (see ``kernels.select``), else "torch"."""
+    readable = attention_reads(keys.encoder, values.encoder, mask)
+    return kernels.select(q, keys.encoder.backend if backend is None else backend, ("triton",) if readable else (),
+                          "attention from these codes and this mask")
 
 
 def compressed_attention_ref(

@@ -40,6 +40,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.utils import logging
 
+from .. import kernels
 from ..checks import check_bool, check_int
 from ..encoder import Encoder, encoder_names, make_encoder
 from ..turboquant import MSE_BITS
@@ -230,7 +231,9 @@ class TQCache(DynamicCache):
     residual_length: recent tokens kept in full precision; protected_layers: first and last attention
     layers kept entirely in full precision; ddp_cache_data: per-layer ``(keys, values[, sliding window
     tensor])`` to start from (``DataParallel`` gathers caches this way); offloading,
-    offload_only_non_sliding: as for ``DynamicCache``.
+    offload_only_non_sliding: as for ``DynamicCache``; backend: the kernels of encoding and attention for
+    encoders given by name ("torch", "triton", ...; None: ``$TQINDEX_BACKEND``, else auto: the GPU kernels
+    on CUDA, see ``tqindex.kernels``).
 
     Where it differs from ``DynamicCache``, deliberately:
 
@@ -261,7 +264,9 @@ class TQCache(DynamicCache):
         ddp_cache_data: Iterable[tuple[Tensor | None, ...]] | None = None,
         offloading: bool = False,
         offload_only_non_sliding: bool = False,
+        backend: str | None = None,
     ) -> None:
+        self.backend = kernels.check_backend(backend)
         if config is not None and not isinstance(config, PreTrainedConfig):
             if isinstance(config, (str, bytes, dict)) or not isinstance(config, Iterable) or ddp_cache_data is not None:
                 raise TypeError(
@@ -325,8 +330,8 @@ class TQCache(DynamicCache):
         if min(dims) < 2:
             logger.warning_once(f"TQCache keeps layers with head dims {dims} as DynamicLayer: encoders need dim >= 2")
             return DynamicLayer()
-        keys = _encoder(self.key_encoder, dims[0], "key_encoder")
-        values = _encoder(self.value_encoder, dims[1], "value_encoder")
+        keys = _encoder(self.key_encoder, dims[0], "key_encoder", self.backend)
+        values = _encoder(self.value_encoder, dims[1], "value_encoder", self.backend)
         return TQLayer(keys, values, self.residual_length, self._text_config)
 
     def _add_layers(self, layer_idx: int, key_states: Tensor, value_states: Tensor) -> None:
@@ -438,15 +443,16 @@ def _check_encoder_spec(spec: Any, name: str) -> None:
 
 
 @lru_cache(maxsize=None)
-def _named_encoder(name: str, dim: int) -> Encoder:
-    """One shared encoder object per (name, dim)."""
-    return make_encoder(name, dim)
+def _named_encoder(name: str, dim: int, backend: str | None = None) -> Encoder:
+    """The encoder ``name`` of dimension ``dim`` whose kernels follow ``backend``."""
+    return make_encoder(name, dim, backend=backend)
 
 
-def _encoder(spec: str | Encoder, dim: int, name: str) -> Encoder:
-    """The encoder of dimension ``dim`` from a registry name or an Encoder object."""
+def _encoder(spec: str | Encoder, dim: int, name: str, backend: str | None = None) -> Encoder:
+    """The encoder of dimension ``dim`` from a registry name (with ``backend``) or an Encoder object (with its
+    own backend)."""
     if isinstance(spec, str):
-        return _named_encoder(spec, dim)
+        return _named_encoder(spec, dim, backend)
     if spec.dim != dim:
         raise ValueError(f"{name} has dim {spec.dim}, the model's head dim is {dim}")
     return spec

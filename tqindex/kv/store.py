@@ -50,7 +50,7 @@ def encoder_key(encoder: Encoder) -> str:
         raise TypeError(f"encoder must be a tqindex Encoder, got {type(encoder).__name__}")
     key = _KEYS.get(encoder)
     if key is None:
-        key = f"{json.dumps(encoder.to_dict(), sort_keys=True)}#{_digest(encoder)}"
+        key = f"{json.dumps(encoder.to_dict(), sort_keys=True)}#{_digest(encoder)}@{encoder.backend or ''}"
         _KEYS[encoder] = key
         _ENCODERS.setdefault(key, encoder)
         if key not in _LAYOUTS:
@@ -71,8 +71,10 @@ def encoder_from_key(key: str) -> Encoder:
     """The encoder registered under ``key``, else rebuilt from the configuration the key holds."""
     encoder = _ENCODERS.get(key)
     if encoder is None:
-        config, digest = key.rsplit("#", 1)
+        config, rest = key.rsplit("#", 1)
+        digest, backend = rest.split("@")
         encoder = encoder_from_dict(json.loads(config))
+        encoder.backend = backend or None
         if _digest(encoder) != digest:
             raise ValueError(
                 f"no live encoder has key {key!r}, and rebuilding it from its configuration gives other tensors "

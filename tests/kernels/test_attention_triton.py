@@ -1,0 +1,103 @@
+"""Attention from codes on GPUs (Triton; the CPU interpreter without a GPU) against the PyTorch reference."""
+
+import pytest
+import torch
+
+import tqindex as tq
+from devices import DEVICE, needs_triton
+from tqindex.kv.attention import compressed_attention_ref
+from tqindex.kv.store import KVStore
+
+pytestmark = needs_triton
+
+
+def stores(kenc: str, venc: str, b: int, hkv: int, d: int, past: int, window: int, seed: int):
+    """A store holding ``past`` compressed tokens then ``window`` full-precision ones (keys with a few large
+    channels, as LLM keys have)."""
+    g = torch.Generator().manual_seed(seed)
+    store = KVStore(tq.make_encoder(kenc, d), tq.make_encoder(venc, d), residual_length=0)
+    k = torch.randn(b, hkv, past + window, d, generator=g)
+    k[..., :3] *= 6
+    v = torch.randn(b, hkv, past + window, d, generator=g)
+    if past:
+        store.append(k[:, :, :past].to(DEVICE), v[:, :, :past].to(DEVICE))
+        store.append(k[:, :, past:].to(DEVICE), v[:, :, past:].to(DEVICE))  # the first ``past`` are encoded
+    else:
+        store.append(k.to(DEVICE), v.to(DEVICE))
+    return store
+
+
+def check(kenc, venc, b, hq, hkv, d, past, window, nq, mask=None, softcap=None, causal=True, decode=None):
+    from tqindex.kernels.attention_triton import compressed_attention_triton
+
+    store = stores(kenc, venc, b, hkv, d, past, window, seed=past + window + hq)
+    keys, values = store.view()
+    assert keys.codes.shape[2] == past and keys.window.shape[2] == window
+    q = torch.randn(b, hq, nq, d, generator=torch.Generator().manual_seed(1)).to(DEVICE).half()
+    scaling = d ** -0.5
+    ref = compressed_attention_ref(q.float(), keys, values, mask, scaling, softcap=softcap, causal=causal)
+    out = compressed_attention_triton(q, keys, values, mask, scaling, softcap=softcap, causal=causal, decode=decode)
+    assert out.dtype == q.dtype and out.shape == ref.shape
+    err = (out.float() - ref).norm() / ref.norm()
+    assert err < 2e-3, float(err)
+
+
+@pytest.mark.parametrize("past", [1, 127, 129, 3017])
+@pytest.mark.parametrize("hq, hkv", [(4, 4), (3, 1), (8, 2), (16, 2)])  # G = 1, 3, 4, 8
+def test_decode_step(past, hq, hkv):
+    check("tq4", "tq4", 2, hq, hkv, 64, past, 5, 1)
+
+
+@pytest.mark.parametrize("kenc, venc, d", [("tq4", "tq4", 128), ("tq3", "tq4", 64), ("tq8", "tq4", 64),
+                                          ("tq2", "tq2", 64), ("tq4", "tq8", 96), ("tq1", "tq1", 64),
+                                          ("tq3", "tq3", 128), ("tq3", "tq3", 40)])
+def test_encoders_and_dims(kenc, venc, d):
+    check(kenc, venc, 1, 4, 2, d, 200, 3, 1)
+
+
+def test_prefill_chunk_over_a_compressed_past_is_causal():
+    check("tq4", "tq4", 1, 4, 2, 64, 300, 70, 70)  # the chunk is the window: 70 queries, causal
+
+
+def test_no_window_softcap_padding_mask_and_no_past():
+    mask = torch.ones(2, 1, 1, 260, dtype=torch.bool)
+    mask[0, ..., :40] = False  # left padding of the first row
+    check("tq4", "tq4", 2, 4, 2, 64, 259, 1, 1, mask=mask.to(DEVICE), softcap=30.0)
+    check("tq4", "tq4", 1, 4, 2, 64, 0, 9, 9)  # nothing compressed yet
+
+
+def test_prmt_decode_on_cuda():
+    if DEVICE.type != "cuda":
+        pytest.skip("inline PTX runs on CUDA only")
+    check("tq4", "tq4", 2, 8, 2, 128, 1000, 4, 1, decode=2)
+
+
+def test_prefill_with_a_padding_mask():
+    """A chunk of 6 queries over 100 compressed tokens and the 6-token window, the first row left-padded."""
+    b, total, nq = 2, 106, 6
+    causal = torch.ones(nq, total, dtype=torch.bool).tril(total - nq)
+    mask = causal[None, None].repeat(b, 1, 1, 1)
+    mask[0, ..., :30] = False
+    check("tq4", "tq4", b, 4, 2, 64, 100, nq, nq, mask=mask.to(DEVICE))
+    additive = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+    check("tq4", "tq4", b, 4, 2, 64, 100, nq, nq, mask=additive.to(DEVICE))
+
+
+def test_generate_with_the_kernel_equals_the_reference_cache():
+    """Greedy decoding of a tiny Llama with 8-bit codes: the kernel's cache gives the PyTorch cache's tokens."""
+    transformers = pytest.importorskip("transformers")
+    from tqindex.kv import TQCache
+
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                      initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=None)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval().to(DEVICE)
+    model.set_attn_implementation("tqindex")
+    ids = torch.randint(2, 128, (2, 12), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    kw = "cache" if "cache" in __import__("inspect").signature(model.forward).parameters else "past_key_values"
+    out = []
+    for backend in ("triton", "torch"):
+        cache = TQCache(model.config, "tq8", "tq8", residual_length=4, protected_layers=0, backend=backend)
+        out.append(model.generate(input_ids=ids, max_new_tokens=6, do_sample=False, **{kw: cache}))
+    assert torch.equal(out[0], out[1])

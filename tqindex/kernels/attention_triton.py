@@ -1,0 +1,296 @@
+"""Attention straight from direction codes on GPUs (Triton): decode steps and prefill chunks over a
+compressed past.
+
+One kernel, split-K (flash-decoding): a program takes one (batch row, KV head), a block of BLOCK_M query
+rows (the G query heads sharing that KV head times the Q query positions, head-major) and a range of key
+tokens, and keeps an online softmax (running max ``m``, normalizer ``l``, weighted value sum). Its range
+lies either in the compressed past (codes) or in the full-precision window (the newest tokens, causal):
+
+- compressed tokens: keys are decoded plane by plane in registers (``planes.py``, the scan's decoders)
+  and multiplied with the rotated, planar queries (f16 operands, f32 accumulation), the key scale folded
+  into the score tile; values are decoded in their natural coordinate order (planes interleaved by
+  ``tl.join``), their scale folded into the probabilities, and summed in the value encoder's rotated
+  domain;
+- window tokens: plain f16 products of the queries and the window, with the causal mask.
+
+Each program writes its partial (m, l, sum); :func:`compressed_attention_triton` combines them by
+log-sum-exp, rotates the compressed part's sum back once and adds the window's. No full-precision copy
+of the compressed history is made. The PyTorch reference is
+:func:`tqindex.kv.attention.compressed_attention_ref`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .planes import ABSENT, RunLayout, next_power_of_2, run_layouts
+from .scan_triton import _level, _nibble_levels, default_decode, planar_queries, prmt_tables
+
+BLOCK_N = 64
+"""Key tokens per tile."""
+PROGRAMS_PER_SM = 4
+WINDOW_SPLIT = 1024
+"""Window tokens per program (prefill chunks are long windows)."""
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _key_scores(q_ptr, rows_ok, KC, kstride, tok, tmask, MAG, R: tl.constexpr, DECODE: tl.constexpr, T0, T1, T2, T3,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """<R q, c> [BLOCK_M, BLOCK_N]: the planar query rows at ``q_ptr`` ([BLOCK_M, 1] pointers) with the key
+    codes of tokens ``tok`` (one run, layout R), decoded plane by plane."""
+    BITS: tl.constexpr = R[0]
+    GB: tl.constexpr = R[1]
+    P: tl.constexpr = R[2]
+    G: tl.constexpr = R[3]
+    GP: tl.constexpr = R[4]
+    BK: tl.constexpr = R[5]
+    W: tl.constexpr = R[10]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, GP, BK):
+        g = k0 + tl.arange(0, BK)
+        gmask = tmask[:, None] & (g[None, :] < G)
+        base = KC + tok[:, None].to(tl.int64) * kstride + g[None, :] * GB
+        if GB == 3:
+            b0 = tl.load(base, mask=gmask & (g[None, :] * 3 < R[8]), other=0).to(tl.int32)
+            b1 = tl.load(base + 1, mask=gmask & (g[None, :] * 3 + 1 < R[8]), other=0).to(tl.int32)
+            b2 = tl.load(base + 2, mask=gmask & (g[None, :] * 3 + 2 < R[8]), other=0).to(tl.int32)
+            grp = b0 | (b1 << 8) | (b2 << 16)
+        else:
+            byte = tl.load(base, mask=gmask, other=0)
+            grp = byte.to(tl.int32)
+        if DECODE == 2 and BITS == 4:
+            lo, hi = _nibble_levels(byte, T0, T1, T2, T3)
+        for p in tl.static_range(P):
+            if DECODE == 2 and BITS == 4:
+                v = lo if p == 0 else hi
+            else:
+                v = _level((grp >> (p * BITS)) & ((1 << BITS) - 1), MAG, BITS, DECODE)
+            v = tl.where(gmask & (g[None, :] * P + p < W), v, 0.0).to(tl.float16)  # [BLOCK_N, BK]
+            q = tl.load(q_ptr + (p * GP + g)[None, :], mask=rows_ok, other=0.0)  # [BLOCK_M, BK]
+            acc = tl.dot(q, tl.trans(v), acc)
+    return acc
+
+
+@triton.jit
+def _value_rows(VC, vstride, tok, tmask, MAG, R: tl.constexpr, DECODE: tl.constexpr, T0, T1, T2, T3,
+                DP: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Levels of the value codes of tokens ``tok`` in natural coordinate order, f16 [BLOCK_N, DP] (one
+    coded run; coordinates past it are 0). The planes of a group are interleaved by a tree of joins."""
+    BITS: tl.constexpr = R[0]
+    GB: tl.constexpr = R[1]
+    P: tl.constexpr = R[2]
+    GP: tl.constexpr = DP // P
+    g = tl.arange(0, GP)
+    rows = VC + tok[:, None].to(tl.int64) * vstride
+    gmask = tmask[:, None] & (g[None, :] * GB < R[8])
+    byte = tl.load(rows + g[None, :] * GB, mask=gmask, other=0)
+    w = byte.to(tl.int32)
+    if GB == 3:  # 3-bit codes: a group is 3 bytes of 8 codes
+        w |= tl.load(rows + g[None, :] * 3 + 1, mask=gmask & (g[None, :] * 3 + 1 < R[8]), other=0).to(tl.int32) << 8
+        w |= tl.load(rows + g[None, :] * 3 + 2, mask=gmask & (g[None, :] * 3 + 2 < R[8]), other=0).to(tl.int32) << 16
+    if P == 1:
+        v = _level(w, MAG, BITS, 1)
+    elif P == 2:
+        if DECODE == 2:
+            lo, hi = _nibble_levels(byte, T0, T1, T2, T3)
+        else:
+            lo = _level(w & 15, MAG, BITS, 1)
+            hi = _level(w >> 4, MAG, BITS, 1)
+        v = tl.reshape(tl.join(lo, hi), (BLOCK_N, DP))
+    elif P == 4:
+        p0 = _level(w & 3, MAG, BITS, 1)
+        p1 = _level((w >> 2) & 3, MAG, BITS, 1)
+        p2 = _level((w >> 4) & 3, MAG, BITS, 1)
+        p3 = _level((w >> 6) & 3, MAG, BITS, 1)
+        v = tl.reshape(tl.join(tl.join(p0, p2), tl.join(p1, p3)), (BLOCK_N, DP))
+    else:  # eight planes (1- or 3-bit codes): code i of a group is coordinate 8g + i
+        M: tl.constexpr = (1 << BITS) - 1
+        e0 = tl.join(tl.join(_level(w & M, MAG, BITS, 1), _level((w >> (4 * BITS)) & M, MAG, BITS, 1)),
+                     tl.join(_level((w >> (2 * BITS)) & M, MAG, BITS, 1), _level((w >> (6 * BITS)) & M, MAG, BITS, 1)))
+        e1 = tl.join(tl.join(_level((w >> BITS) & M, MAG, BITS, 1), _level((w >> (5 * BITS)) & M, MAG, BITS, 1)),
+                     tl.join(_level((w >> (3 * BITS)) & M, MAG, BITS, 1),
+                             _level((w >> (7 * BITS)) & M, MAG, BITS, 1)))
+        v = tl.reshape(tl.join(e0, e1), (BLOCK_N, DP))
+    coord = tl.arange(0, DP)
+    return tl.where(coord[None, :] < R[10], v, 0.0).to(tl.float16)
+
+
+@triton.jit
+def _masked(s, visible, mask_ptr, MASK_KIND: tl.constexpr):
+    """Scores s with -inf where not ``visible`` or where the attention mask says so (MASK_KIND 0: none,
+    1: bool, True = attend, 2: additive float)."""
+    if MASK_KIND == 1:
+        visible = visible & (tl.load(mask_ptr, mask=visible, other=0) != 0)
+    elif MASK_KIND == 2:
+        s += tl.load(mask_ptr, mask=visible, other=0.0)
+    return tl.where(visible, s, float("-inf"))
+
+
+@triton.jit
+def _attention_kernel(
+    QP, QSC, QD, KC, KN, VC, VN, KW, VW, MASK, OUT, M_OUT, L_OUT,
+    hkv, rows, nq, tc, tw, mask_sb, mask_sq, mask_st, kbytes, vbytes, kc_stride, vc_stride, kn_stride, vn_stride,
+    kw_stride, vw_stride, kw_tstride, vw_tstride, splits_c, tokens_per_split, scaling, softcap,
+    KMAG, VMAG, KT0, KT1, KT2, KT3, VT0, VT1, VT2, VT3,
+    KR: tl.constexpr, VR: tl.constexpr, PWK: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+    MASK_KIND: tl.constexpr, SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr, DECODE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Program (batch row x KV head ``bh``, row block, split): the partial softmax of its query rows over the
+    split's tokens (splits < splits_c: compressed tokens; the others: window tokens), written to OUT
+    [bh, split, rows, DP] (compressed: the value encoder's rotated domain; window: plain), M_OUT / L_OUT
+    [bh, split, rows]."""
+    bh, mb, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    nsplit = tl.num_programs(2)
+    b = bh // hkv
+    bh64 = bh.to(tl.int64)
+    r = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = r < rows
+    mask_rows = MASK + b.to(tl.int64) * mask_sb + (r % nq).to(tl.int64)[:, None] * mask_sq  # [BLOCK_M, 1]
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, DP), tl.float32)
+    dcol = tl.arange(0, DP)
+    if sp < splits_c:  # the compressed past: every token visible to every query row
+        qsc = tl.load(QSC + bh * rows + r, mask=rmask, other=1.0)
+        q_ptr = QP + (bh64 * rows + r)[:, None] * PWK
+        t_lo = sp * tokens_per_split
+        t_hi = tl.minimum(t_lo + tokens_per_split, tc)
+        for t0 in range(t_lo, t_hi, BLOCK_N):
+            tok = t0 + tl.arange(0, BLOCK_N)
+            tmask = tok < t_hi
+            s = _key_scores(q_ptr, rmask[:, None], KC + bh64 * kc_stride, kbytes, tok, tmask, KMAG, KR, DECODE,
+                            KT0, KT1, KT2, KT3, BLOCK_M, BLOCK_N)
+            ks = tl.load(KN + bh64 * kn_stride + tok, mask=tmask, other=0.0).to(tl.float32)
+            s = s * qsc[:, None] * ks[None, :] * scaling
+            if SOFTCAP:
+                s = softcap * (2 * tl.sigmoid(2 * s / softcap) - 1)  # softcap * tanh(s / softcap)
+            s = _masked(s, tmask[None, :] & rmask[:, None], mask_rows + tok[None, :] * mask_st, MASK_KIND)
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            shift = tl.where(m_new > float("-inf"), m_new, 0.0)
+            alpha = tl.exp2((m_i - shift) * LOG2E)
+            p = tl.exp2((s - shift[:, None]) * LOG2E)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            vs = tl.load(VN + bh64 * vn_stride + tok, mask=tmask, other=0.0).to(tl.float32)
+            v = _value_rows(VC + bh64 * vc_stride, vbytes, tok, tmask, VMAG, VR, DECODE, VT0, VT1, VT2, VT3, DP,
+                            BLOCK_N)
+            acc = acc * alpha[:, None] + tl.dot((p * vs[None, :]).to(tl.float16), v)
+            m_i = m_new
+    else:  # the window: query row r (position r % nq of the last nq) sees window token j <= tw - nq + r % nq
+        per = tl.cdiv(tw, nsplit - splits_c)
+        t_lo = (sp - splits_c) * per
+        t_hi = tl.minimum(t_lo + per, tw)
+        last = tw - nq + r % nq
+        q = tl.load(QD + (bh64 * rows + r)[:, None] * D + dcol[None, :], mask=rmask[:, None] & (dcol[None, :] < D),
+                    other=0.0).to(tl.float16)
+        for t0 in range(t_lo, t_hi, BLOCK_N):
+            tok = t0 + tl.arange(0, BLOCK_N)
+            tmask = tok < t_hi
+            k = tl.load(KW + bh64 * kw_stride + tok[:, None] * kw_tstride + dcol[None, :],
+                        mask=tmask[:, None] & (dcol[None, :] < D), other=0.0).to(tl.float16)
+            s = tl.dot(q, tl.trans(k)) * scaling
+            if SOFTCAP:
+                s = softcap * (2 * tl.sigmoid(2 * s / softcap) - 1)
+            visible = tmask[None, :] & rmask[:, None]
+            if CAUSAL:
+                visible = visible & (tok[None, :] <= last[:, None])
+            s = _masked(s, visible, mask_rows + (tc + tok)[None, :] * mask_st, MASK_KIND)
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            shift = tl.where(m_new > float("-inf"), m_new, 0.0)
+            alpha = tl.exp2((m_i - shift) * LOG2E)
+            p = tl.exp2((s - shift[:, None]) * LOG2E)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(VW + bh64 * vw_stride + tok[:, None] * vw_tstride + dcol[None, :],
+                        mask=tmask[:, None] & (dcol[None, :] < D), other=0.0).to(tl.float16)
+            acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
+            m_i = m_new
+    base = (bh64 * nsplit + sp) * rows + r
+    tl.store(M_OUT + base, m_i, mask=rmask)
+    tl.store(L_OUT + base, l_i, mask=rmask)
+    tl.store(OUT + base[:, None] * DP + dcol[None, :], acc, mask=rmask[:, None])
+
+
+# --------------------------------------------------------------------------------------------------
+# host side
+
+
+def _tables(encoder: Any, device: torch.device) -> tuple[tuple, Tensor, list[int]]:
+    """One run's layout (constexpr tuple), magnitudes on ``device`` and prmt words."""
+    layouts, mags, _ = run_layouts(encoder.code_runs(device))
+    mags = mags.to(device)
+    return tuple(layouts[0]), mags, prmt_tables(mags, layouts)[:4]
+
+
+def mask_layout(mask: Tensor | None, b: int, nq: int, total: int) -> tuple[Tensor | None, tuple[int, int, int], int]:
+    """The kernel's view of an attention mask [B|1, 1, Q, T] (bool, True = attend, or additive float):
+    (the mask or None, its batch / query / token strides, MASK_KIND 0 / 1 / 2). Masks per query head are
+    not read by the kernel (ValueError)."""
+    if mask is None:
+        return None, (0, 0, 0), 0
+    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[0] not in (1, b) or mask.shape[2:] != (nq, total):
+        raise ValueError(f"the attention kernel reads masks [B|1, 1, {nq}, {total}], got {tuple(mask.shape)}")
+    m = mask.expand(b, 1, nq, total)
+    if m.dtype == torch.bool:
+        m = m.view(torch.uint8)
+        return m, (m.stride(0), m.stride(2), m.stride(3)), 1
+    m = m.float()
+    return m, (m.stride(0), m.stride(2), m.stride(3)), 2
+
+
+def compressed_attention_triton(q: Tensor, keys: Any, values: Any, mask: Tensor | None, scaling: float,
+                                softcap: float | None = None, causal: bool = True,
+                                decode: int | None = None) -> Tensor:
+    """:func:`tqindex.kv.attention.compressed_attention` by the kernel (module notes). q [B, Hq, Q, D];
+    keys / values CompressedTokens [B, Hkv, T, D] whose codes the kernel reads (``attention_reads``); mask None
+    (then causal over the window) or [B|1, 1, Q, T] (:func:`mask_layout`). Returns [B, Hq, Q, D] in q's
+    dtype."""
+    bsz, hq, nq, dim = q.shape
+    hkv, tc, tw = keys.shape[1], keys.codes.shape[2], keys.window.shape[2]
+    rows, device = (hq // hkv) * nq, q.device
+    kr, kmag, kt = keys.encoder.derived(device, "triton-attention", lambda: _tables(keys.encoder, device))
+    vr, vmag, vt = values.encoder.derived(device, "triton-attention", lambda: _tables(values.encoder, device))
+    qg = q.float().reshape(bsz * hkv * rows, dim)  # rows of one KV head: its G query heads, head-major
+    qp, qsc = planar_queries(keys.encoder.rotate(qg), [RunLayout(*kr)])
+    dp = next_power_of_2(dim)
+    block_m = 16 if rows <= 16 else 64
+    row_blocks = triton.cdiv(rows, block_m)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if q.is_cuda else 4
+    splits_c = 0
+    per = BLOCK_N
+    if tc:
+        want = max(1, triton.cdiv(PROGRAMS_PER_SM * sms, bsz * hkv * row_blocks))
+        per = triton.cdiv(triton.cdiv(tc, min(want, triton.cdiv(tc, BLOCK_N))), BLOCK_N) * BLOCK_N
+        splits_c = triton.cdiv(tc, per)
+    splits_w = triton.cdiv(tw, WINDOW_SPLIT) if tw else 0
+    splits = splits_c + splits_w
+    out = torch.empty(bsz * hkv, splits, rows, dp, device=device)
+    m = torch.empty(bsz * hkv, splits, rows, device=device)
+    l_ = torch.empty_like(m)
+    kq, vq = keys.codes.qdata, values.codes.qdata  # [B, Hkv, capacity, bytes], batch-major
+    kn, vn = keys.codes.norm, values.codes.norm
+    kw, vw = keys.window.contiguous(), values.window.contiguous()
+    mask_t, (msb, msq, mst), mask_kind = mask_layout(mask, bsz, nq, tc + tw)
+    dec = default_decode(device) if decode is None else decode
+    _attention_kernel[(bsz * hkv, row_blocks, splits)](
+        qp, qsc, qg, kq, kn, vq, vn, kw, vw, qsc if mask_t is None else mask_t, out, m, l_,
+        hkv, rows, nq, tc, tw, msb, msq, mst, kq.shape[-1], vq.shape[-1], kq.stride(1), vq.stride(1), kn.stride(1),
+        vn.stride(1), kw.stride(1), vw.stride(1), kw.stride(2), vw.stride(2), splits_c, per, scaling,
+        softcap or 1.0, kmag, vmag, *kt, *vt, KR=kr, VR=vr, PWK=qp.shape[1], D=dim, DP=dp, MASK_KIND=mask_kind,
+        SOFTCAP=softcap is not None, CAUSAL=causal and mask is None, DECODE=dec, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        num_warps=8 if block_m > 16 or kr[0] == 8 else 4)  # 4 warps spill registers there
+    top = m.amax(1, keepdim=True)  # [BH, 1, rows]
+    w = torch.exp(m - torch.where(top > float("-inf"), top, torch.zeros_like(top)))
+    w = torch.where(m > float("-inf"), w, torch.zeros_like(w))
+    total = (l_ * w).sum(1)  # [BH, rows]
+    weighted = out * w[..., None]
+    acc = values.encoder.rotate_back(weighted[:, :splits_c].sum(1)[..., :dim]) if splits_c else 0
+    if splits_w:
+        acc = acc + weighted[:, splits_c:].sum(1)[..., :dim]
+    res = torch.where(total[..., None] > 0, acc / total.clamp_min(torch.finfo(torch.float32).tiny)[..., None], 0.0)
+    return res.reshape(bsz, hq, nq, dim).to(q.dtype)
