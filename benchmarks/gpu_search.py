@@ -23,21 +23,18 @@ Results: ``gpu_search.json`` (rewritten after every measurement) and ``gpu_searc
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
 
 import numpy as np
 import torch
-import triton
-import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _env  # noqa: E402
 import _run  # noqa: E402
+from _gpu import bench, roofline  # noqa: E402
 
 import tqindex as tq  # noqa: E402
 
@@ -45,51 +42,6 @@ QUERY_COUNTS = (1, 16, 256, 4096)
 KS = (10, 100)
 EXACT_CHUNK = 1024
 """Queries per matrix product of the exact bf16 baseline."""
-
-
-# --------------------------------------------------------------------------------------------------
-# timing
-
-
-def bench(fn: Callable[[], Any], budget_s: float = 1.0, min_runs: int = 5, max_runs: int = 100) -> float:
-    """Median milliseconds of ``fn()`` on the GPU: two warm-up calls, then CUDA-event-timed calls while
-    they fit in ``budget_s`` (at least ``min_runs``)."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < max_runs and (len(times) < min_runs or time.perf_counter() - start < budget_s):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return float(np.median(times))
-
-
-@triton.jit
-def _read_kernel(X, OUT, n, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    acc = tl.zeros((BLOCK,), tl.int32)
-    for i in range(pid * BLOCK, n, tl.num_programs(0) * BLOCK):
-        acc += tl.load(X + i + tl.arange(0, BLOCK), mask=i + tl.arange(0, BLOCK) < n, other=0)
-    tl.store(OUT + pid, tl.sum(acc, 0))
-
-
-def roofline(device: torch.device) -> dict[str, float]:
-    """Streaming-read bandwidth (a Triton kernel reading 4 GiB of int32) and device-to-device copy rate
-    (bytes read + written), TB/s."""
-    n = 1 << 30
-    x = torch.ones(n, dtype=torch.int32, device=device)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    out = torch.empty(sms * 8, dtype=torch.int32, device=device)
-    ms = bench(lambda: _read_kernel[(sms * 8,)](x, out, n, BLOCK=4096, num_warps=8))
-    y = torch.empty_like(x)
-    copy_ms = bench(lambda: y.copy_(x))
-    del x, y
-    return {"read_TBps": 4 * n / ms / 1e9, "copy_TBps": 8 * n / copy_ms / 1e9}
 
 
 # --------------------------------------------------------------------------------------------------
