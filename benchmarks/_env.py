@@ -117,3 +117,15 @@ def environment(threads: int | None = None) -> dict[str, Any]:
     except ImportError:
         pass
     return env
+
+
+def named_commit(env: dict[str, Any]) -> dict[str, Any]:
+    """``env`` of a run in a copy of the tree whose git data is not its own (a GPU machine): the commit named
+    by ``$TQINDEX_GIT_SHA``, clean when ``$TQINDEX_SOURCES_SHA256`` / ``$TQINDEX_BENCHMARKS_SHA256`` (the
+    source digests taken at that commit) equal the ones read here. Unchanged without the variables."""
+    if os.environ.get("TQINDEX_GIT_SHA"):
+        expected = (os.environ.get("TQINDEX_SOURCES_SHA256"), os.environ.get("TQINDEX_BENCHMARKS_SHA256"))
+        env["git_sha"] = os.environ["TQINDEX_GIT_SHA"]
+        env["git_dirty"] = expected != (env["tqindex_sources_sha256"], env["benchmarks_sources_sha256"])
+        env["git_changes"] = ["sources differ from the named commit"] if env["git_dirty"] else []
+    return env

@@ -23,7 +23,6 @@ Results: ``gpu_search.json`` (rewritten after every measurement) and ``gpu_searc
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -277,13 +276,7 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("gpu_search.py needs a CUDA GPU")
     device = torch.device("cuda")
-    env = _env.environment(torch.get_num_threads())
-    if os.environ.get("TQINDEX_GIT_SHA"):  # a copy of the tree whose git data is not its own: the commit it was
-        # copied from is named, and the sources' digests, taken there, must equal the ones read here
-        expected = (os.environ.get("TQINDEX_SOURCES_SHA256"), os.environ.get("TQINDEX_BENCHMARKS_SHA256"))
-        env["git_sha"] = os.environ["TQINDEX_GIT_SHA"]
-        env["git_dirty"] = expected != (env["tqindex_sources_sha256"], env["benchmarks_sources_sha256"])
-        env["git_changes"] = ["sources differ from the named commit"] if env["git_dirty"] else []
+    env = _env.named_commit(_env.environment(torch.get_num_threads()))
     out = _run.run_folder(args.out, "gpu_search", env)
     results = _run.Results(out / "gpu_search.json", {"env": env, "args": vars(args), "roofline": {}, "encode": {},
                                                      "flat": {}, "ivf": {}}, args.restart)

@@ -1,0 +1,314 @@
+#!/usr/bin/env python
+"""Attention from codes on a GPU: the Triton kernel against bf16 SDPA, and TQCache against DynamicCache.
+
+Every number comes from one run on one GPU:
+
+- the card's streaming-read roofline, measured in the same run;
+- kernel level (one decode step of one layer): batch {1, 8, 32} x context {4k, 16k, 64k, 128k} x heads
+  (32 query / 8 KV heads, head_dim 128) and (9 / 3, head_dim 64): bf16 SDPA (flash backend, GQA),
+  "dequantize the codes, then SDPA", and the kernel for tq4, tq3 and k8v4 codes (fp4 codes have no
+  kernel yet: their rows say so); TB/s of the bytes each reads (bf16 K/V, or codes with their scales)
+  against the roofline, and the kernel's error against float32 attention over the decoded codes;
+- end to end, a randomly initialized Llama-8B-shaped model (32 layers, bf16): decode step time (CUDA
+  events, median of 16 steps after 4 warm-up steps, the cache cropped back after each) and peak memory
+  of DynamicCache against TQCache presets at 8k-64k context and batch 1-32, the cache filled by a real
+  chunked prefill (4096 tokens a chunk; its time reported) where ``--prefill`` allows, else by writing
+  random keys and values into every layer (decode timing does not depend on the values);
+- at a fixed KV budget (40 GiB by default): the tokens each cache holds (from its measured bytes per
+  token) and its decode throughput (tokens/s) at 32k context with the batch that fits.
+
+Results: ``gpu_attention.json`` (rewritten after every measurement) and ``gpu_attention.md`` in ``--out``.
+
+    python benchmarks/gpu_attention.py --out benchmarks/results/gpu_attention_h200
+    python benchmarks/gpu_attention.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _env  # noqa: E402
+import _run  # noqa: E402
+from _gpu import bench, roofline  # noqa: E402
+
+import tqindex as tq  # noqa: E402
+from tqindex.kv import TQCache  # noqa: E402
+from tqindex.kv.attention import compressed_attention, dense_attention  # noqa: E402
+from tqindex.kv.store import CompressedTokens  # noqa: E402
+
+HEADS = ((32, 8, 128), (9, 3, 64))
+"""(query heads, KV heads, head dim) of the kernel-level rows."""
+BATCHES = (1, 8, 32)
+CONTEXTS = (4096, 16384, 65536, 131072)
+PRESETS = {"tq4": ("tq4", "tq4"), "tq3": ("tq3", "tq3"), "k8v4": ("tq8", "tq4"), "fp4": ("fp4", "fp4")}
+MAX_DENSE_GB = 40
+"""Kernel-level shapes whose bf16 K/V exceed this many GB are left out."""
+E2E = ((8192, 1), (32768, 1), (8192, 8), (32768, 8), (65536, 8), (32768, 32))
+"""(context, batch) of the end-to-end rows."""
+PREFILL_CHUNK = 4096
+GiB = 1 << 30
+
+
+def compressed(encoder: tq.Encoder, x: Tensor) -> CompressedTokens:
+    """x [B, H, T, D] bf16 encoded one batch row at a time (bounded float32 temporaries), no window."""
+    b, h, t, d = x.shape
+    rows = [encoder.encode_valid(x[i].reshape(-1, d).float()).reshape(h, t) for i in range(b)]
+    codes = tq.Codes.cat([c.reshape(1, h, t) for c in rows])
+    return CompressedTokens(codes, x.new_empty(b, h, 0, d), encoder)
+
+
+def kernel_rows(results: _run.Results, device: torch.device, quick: bool) -> None:
+    """Kernel-level rows (module notes)."""
+    roof = results.data["roofline"]["read_TBps"]
+    batches, contexts = ((1, 2), (4096, 16384)) if quick else (BATCHES, CONTEXTS)
+    for hq, hkv, d in HEADS:
+        for b in batches:
+            for t in contexts:
+                key = f"{hq}q/{hkv}kv d{d} b{b} t{t}"
+                dense_bytes = 2 * b * hkv * t * d * 2
+                if key in results.data["kernel"] or dense_bytes > MAX_DENSE_GB * 1e9:
+                    continue
+                g = torch.Generator(device=device).manual_seed(b * t + d)
+                k = torch.randn(b, hkv, t, d, generator=g, device=device, dtype=torch.bfloat16)
+                v = torch.randn(b, hkv, t, d, generator=g, device=device, dtype=torch.bfloat16)
+                q = torch.randn(b, hq, 1, d, generator=g, device=device, dtype=torch.bfloat16)
+                scaling = d**-0.5
+                with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+                    sdpa_ms = bench(lambda: F.scaled_dot_product_attention(q, k, v, scale=scaling, enable_gqa=True))
+                row: dict[str, Any] = {"sdpa_ms": sdpa_ms, "sdpa_TBps": dense_bytes / sdpa_ms / 1e9}
+                for name, (ke, ve) in PRESETS.items():
+                    keys = compressed(tq.make_encoder(ke, d), k)  # encoded by the GPU kernels where they exist
+                    values = compressed(tq.make_encoder(ve, d), v)
+                    code_bytes = keys.codes.nbytes + values.codes.nbytes
+
+                    def dequantized():
+                        kd, vd = keys.materialize(torch.bfloat16), values.materialize(torch.bfloat16)
+                        return F.scaled_dot_product_attention(q, kd, vd, scale=scaling, enable_gqa=True)
+
+                    entry: dict[str, Any] = {"code_bytes": code_bytes, "dequantize_sdpa_ms": bench(dequantized)}
+                    try:
+                        ms = bench(lambda: compressed_attention(q, keys, values, None, scaling, backend="triton"))
+                    except ValueError as err:  # no kernel reads these codes
+                        entry["kernel"] = str(err)
+                    else:
+                        out = compressed_attention(q, keys, values, None, scaling, backend="triton").float()
+                        sl = slice(0, 1)  # the error on batch row 0 (the reference holds float32 copies)
+                        ref = dense_attention(q[sl].float(), keys.materialize(torch.float32)[sl],
+                                              values.materialize(torch.float32)[sl], None, scaling)
+                        entry.update(ms=ms, TBps=code_bytes / ms / 1e9, roofline_fraction=code_bytes / ms / 1e9 / roof,
+                                     speedup_vs_sdpa=sdpa_ms / ms,
+                                     rel_error=float((out[sl] - ref).norm() / ref.norm()))
+                    row[name] = entry
+                    del keys, values
+                results.data["kernel"][key] = row
+                results.save()
+                tq4 = row["tq4"]
+                print(f"{key}: sdpa {sdpa_ms:.3f} ms; tq4 {tq4.get('ms', float('nan')):.3f} ms "
+                      f"({tq4.get('speedup_vs_sdpa', float('nan')):.2f}x, {tq4.get('TBps', float('nan')):.2f} TB/s)",
+                      flush=True)
+                del k, v, q
+
+
+def llama8b(device: torch.device, layers: int) -> Any:
+    """A randomly initialized Llama-8B-shaped causal LM in bf16 on ``device``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=131072,
+                         rope_theta=500000.0)
+    with torch.device(device):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    return model
+
+
+def make_cache(kind: str, model: Any) -> Any:
+    from transformers import DynamicCache
+
+    if kind == "dynamic":
+        model.set_attn_implementation("sdpa")
+        return DynamicCache(config=model.config)
+    model.set_attn_implementation("tqindex")
+    return TQCache.preset(model.config, kind, residual_length=128, protected_layers=2)
+
+
+def cache_kw(model: Any) -> str:
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+@torch.no_grad()
+def fill(model: Any, cache: Any, batch: int, context: int, prefill: bool, device: torch.device) -> float:
+    """Fill ``cache`` to ``context`` tokens per row: a chunked prefill through the model (-> its seconds) or
+    random keys and values written into every layer (-> 0)."""
+    cfg = model.config
+    if prefill:
+        ids = torch.randint(2, cfg.vocab_size, (batch, context), device=device)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i in range(0, context, PREFILL_CHUNK):
+            model(input_ids=ids[:, i : i + PREFILL_CHUNK], **{cache_kw(model): cache}, logits_to_keep=1)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+    g = torch.Generator(device=device).manual_seed(0)
+    for layer in range(cfg.num_hidden_layers):
+        for i in range(0, context, PREFILL_CHUNK):
+            n = min(PREFILL_CHUNK, context - i)
+            kv = [torch.randn(batch, cfg.num_key_value_heads, n, cfg.head_dim, generator=g, device=device,
+                              dtype=torch.bfloat16) for _ in range(2)]
+            cache.update(kv[0], kv[1], layer)
+    return 0.0
+
+
+@torch.no_grad()
+def decode_ms(model: Any, cache: Any, batch: int, device: torch.device) -> float:
+    """Median ms of one decode step (4 warm-up steps, 16 timed, the cache cropped back after each)."""
+    ids = torch.randint(2, model.config.vocab_size, (batch, 1), device=device)
+    kw = {cache_kw(model): cache}
+    times = []
+    for i in range(20):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        model(input_ids=ids, **kw, logits_to_keep=1)
+        b.record()
+        b.synchronize()
+        cache.crop(cache.get_seq_length() - 1)
+        if i >= 4:
+            times.append(a.elapsed_time(b))
+    return float(torch.tensor(times).median())
+
+
+def e2e_rows(results: _run.Results, device: torch.device, args: argparse.Namespace) -> None:
+    """End-to-end and fixed-budget rows (module notes)."""
+    layers = 4 if args.quick else 32
+    model = llama8b(device, layers)
+    kinds = ["dynamic", "tq4", "k8v4", "tq3"]
+    configs = ((2048, 1), (4096, 2)) if args.quick else E2E
+    per_token = {}
+    for context, batch in configs:
+        for kind in kinds:
+            key = f"{kind} t{context} b{batch}"
+            if key in results.data["e2e"]:
+                continue
+            prefill = args.prefill or (context, batch) == (32768, 8)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            cache = make_cache(kind, model)
+            try:
+                prefill_s = fill(model, cache, batch, context, prefill, device)
+                step = decode_ms(model, cache, batch, device)
+            except torch.OutOfMemoryError:
+                results.data["e2e"][key] = {"oom": True}
+                results.save()
+                del cache
+                continue
+            nbytes = cache.nbytes()
+            row = {"context": context, "batch": batch, "step_ms": step, "tokens_per_s": batch / step * 1e3,
+                   "peak_GiB": torch.cuda.max_memory_allocated() / GiB, "cache_GiB": nbytes / GiB,
+                   "prefill": prefill, "prefill_s": prefill_s}
+            results.data["e2e"][key] = row
+            results.save()
+            per_token[kind] = nbytes / (batch * context)
+            print(f"{key}: step {step:.2f} ms, peak {row['peak_GiB']:.1f} GiB, cache {row['cache_GiB']:.2f} GiB"
+                  + (f", prefill {prefill_s:.1f} s" if prefill else ""), flush=True)
+            del cache
+    budget = args.budget_gib * GiB
+    context = 4096 if args.quick else 32768
+    for kind, bytes_per_token in per_token.items():
+        key = f"{kind} budget"
+        if key in results.data["budget"]:
+            continue
+        tokens = int(budget // bytes_per_token)
+        batch = max(1, tokens // context)
+        torch.cuda.empty_cache()
+        cache = make_cache(kind, model)
+        try:
+            fill(model, cache, batch, context, False, device)
+            step = decode_ms(model, cache, batch, device)
+            row = {"tokens_held": tokens, "batch": batch, "context": context, "step_ms": step,
+                   "tokens_per_s": batch / step * 1e3, "cache_GiB": cache.nbytes() / GiB}
+        except torch.OutOfMemoryError:
+            row = {"tokens_held": tokens, "batch": batch, "context": context, "oom": True}
+        results.data["budget"][key] = row
+        results.save()
+        print(f"{key}: {tokens} tokens, batch {batch} x {context}: {row.get('tokens_per_s', 0):.0f} tokens/s", flush=True)
+        del cache
+
+
+def markdown(data: dict) -> str:
+    env = data["env"]
+    lines = [f"# Attention from codes on {env.get('gpu', '?')}", "",
+             f"git {str(env['git_sha'])[:10]}{' (dirty)' if env['git_dirty'] else ''}, torch "
+             f"{env['versions'].get('torch')}, triton {env['versions'].get('triton')}, transformers "
+             f"{env['versions'].get('transformers')}, {env['date_utc']}", "",
+             f"Roofline (measured in this run): streaming read {data['roofline']['read_TBps']:.2f} TB/s.", "",
+             "## Kernel level: one decode step of one layer", "",
+             "| shape | bf16 SDPA ms (TB/s) | " + " | ".join(f"{p} ms (TB/s, x SDPA, error)" for p in PRESETS)
+             + " | dequantize + SDPA tq4 ms |", "|---|--:|" + "--:|" * len(PRESETS) + "--:|"]
+    for key, row in data["kernel"].items():
+        cells = []
+        for p in PRESETS:
+            e = row[p]
+            cells.append(f"{e['ms']:.3f} ({e['TBps']:.2f}, {e['speedup_vs_sdpa']:.2f}x, {e['rel_error']:.1e})"
+                         if "ms" in e else "no kernel")
+        lines.append(f"| {key} | {row['sdpa_ms']:.3f} ({row['sdpa_TBps']:.2f}) | " + " | ".join(cells)
+                     + f" | {row['tq4']['dequantize_sdpa_ms']:.3f} |")
+    lines += ["", "## End to end: Llama-8B shape, one decode step", "",
+              "| cache, context, batch | step ms | tokens/s | peak GiB | cache GiB | filled by |", "|---|--:|--:|--:|--:|---|"]
+    for key, r in data["e2e"].items():
+        if r.get("oom"):
+            lines.append(f"| {key} | out of memory | | | | |")
+        else:
+            how = f"prefill ({r['prefill_s']:.1f} s)" if r["prefill"] else "random K/V"
+            lines.append(f"| {key} | {r['step_ms']:.2f} | {r['tokens_per_s']:.0f} | {r['peak_GiB']:.1f} | "
+                         f"{r['cache_GiB']:.2f} | {how} |")
+    lines += ["", f"## At a {data['args']['budget_gib']} GiB KV budget", "",
+              "| cache | tokens held | batch x context | decode tokens/s |", "|---|--:|--:|--:|"]
+    for key, r in data["budget"].items():
+        tps = "out of memory" if r.get("oom") else f"{r['tokens_per_s']:.0f}"
+        lines.append(f"| {key} | {r['tokens_held']} | {r['batch']} x {r['context']} | {tps} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", help="folder for gpu_attention.json/.md (default: a new run folder)")
+    p.add_argument("--quick", action="store_true", help="small sizes, 4 layers")
+    p.add_argument("--prefill", action="store_true", help="fill every end-to-end cache by a real prefill")
+    p.add_argument("--budget-gib", type=float, default=40.0, help="the fixed KV budget (GiB)")
+    p.add_argument("--sections", default="kernel,e2e")
+    p.add_argument("--restart", action="store_true", help="measure afresh instead of continuing --out's run")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_attention.py needs a CUDA GPU")
+    device = torch.device("cuda")
+    env = _env.named_commit(_env.environment(torch.get_num_threads()))
+    out = _run.run_folder(args.out, "gpu_attention", env)
+    results = _run.Results(out / "gpu_attention.json", {"env": env, "args": vars(args), "roofline": {}, "kernel": {},
+                                                        "e2e": {}, "budget": {}}, args.restart)
+    if not results.data["roofline"]:
+        results.data["roofline"] = roofline(device)
+        results.save()
+    sections = args.sections.split(",")
+    if "kernel" in sections:
+        kernel_rows(results, device, args.quick)
+    if "e2e" in sections:
+        e2e_rows(results, device, args)
+    results.data["complete"] = True
+    results.save()
+    (out / "gpu_attention.md").write_text(markdown(results.data))
+    print(markdown(results.data))
+
+
+if __name__ == "__main__":
+    main()

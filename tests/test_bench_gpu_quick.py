@@ -1,0 +1,23 @@
+"""The GPU benchmarks: a --quick run on CUDA machines; elsewhere they refuse with a clear message."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("script, name", [("gpu_search.py", "gpu_search"), ("gpu_attention.py", "gpu_attention")])
+def test_gpu_benchmark_quick(tmp_path, script, name):
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--quick", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=900)
+    if not torch.cuda.is_available():
+        assert run.returncode != 0 and "needs a CUDA GPU" in run.stderr
+        return
+    assert run.returncode == 0, run.stderr[-2000:]
+    data = json.loads((tmp_path / f"{name}.json").read_text())
+    assert data["complete"] and data["roofline"]["read_TBps"] > 0
