@@ -31,6 +31,11 @@ class Encoder(ABC):
 
     ``score(q, codes) == q @ decode(codes).mT`` is the definition; subclasses compute it in the rotated
     domain (``<q, x̂> = <R q, R x̂>``) without rotating the database back.
+
+    Encoders return torch whatever their input: ``encode`` gives :class:`Codes` of torch tensors (on the
+    input's device; the CPU for numpy input), ``decode`` / ``score`` float32 tensors on the codes' device.
+    Indexes, by contrast, return numpy for numpy queries. ``backend`` picks the kernels (see
+    ``tqindex.kernels``); it is a choice of this process, not part of the codes' configuration.
     """
 
     dim: int
