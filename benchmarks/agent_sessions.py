@@ -18,9 +18,9 @@ sessions are served in a seeded random order (``--order random``, the same for e
 Tokens: Python's language reference (``pydoc_data.topics``) in ChatML turns for SmolLM2, random ids for
 random-weight models.
 
-The first cache of ``--caches`` (``dynamic`` by default) generates the answers; every other cache is fed the
+The ``--reference`` cache (``dynamic``) generates the answers and runs first; every other cache is fed the
 same answer tokens one per step (forced: the same computation as generating), so all caches serve the same
-histories, and their own greedy tokens at those steps give the next-token agreement with the first cache.
+histories, and their own greedy tokens at those steps give the next-token agreement with the reference.
 With SmolLM2 the run also measures that agreement under the streamed protocol of ``kv_quality.py``
 (``--stream-tokens`` of its text, a 512-token prefill, then chunks of 64) for comparison.
 
@@ -37,12 +37,15 @@ shrinks them to a seconds-long smoke run).
 Reported per cache: P50/P90 TTFT per round and over the late rounds (``--late-round`` on), hit rate,
 tokens re-prefilled, decode tokens/s, bytes per token, peak KV bytes and peak device memory, agreement;
 a PNG of P50 TTFT per round per cache. Results go to a run folder as the other benchmarks (``--out``
-resumes: finished caches are kept, an unfinished one runs again from its start).
+resumes: finished caches are kept, an unfinished one runs again from its start). ``--caches`` is not part of
+a run's configuration: calls with the same ``--out`` and other caches add their runs to the same file (one
+cache per call where a call's time is limited).
 
     python benchmarks/agent_sessions.py --quick                                   # CI smoke run, CPU
     python benchmarks/agent_sessions.py --out benchmarks/results/agent_sessions_smollm2_cpu
-    python benchmarks/agent_sessions.py --model llama8b-random --device cuda \\
-        --out benchmarks/results/agent_sessions_llama8b_h200                      # 32 sessions, 48 GB
+    for c in dynamic fp8 k8v4 tq4 fp4 tq3; do                                     # 32 sessions, 48 GB
+        python benchmarks/agent_sessions.py --model llama8b-random --device cuda --caches $c \\
+            --out benchmarks/results/agent_sessions_llama8b_h200; done
 """
 
 from __future__ import annotations
@@ -77,8 +80,8 @@ _CACHE_NAME = re.compile(r"(?P<base>[a-z0-9]+)(?:-r(?P<r>\d+))?(?:-p(?P<p>\d+))?
 
 # Per model: (workload defaults, --quick overrides). Lengths are "lo-hi" token ranges.
 PRESETS: dict[str, dict[str, Any]] = {
-    "llama8b-random": dict(sessions=32, rounds=12, system_tokens="2000-6000", user_tokens="200-1500",
-                           answer_tokens="100-600", tool_prob=0.3, tool_tokens="2000-8000", decode_tokens=32,
+    "llama8b-random": dict(sessions=32, rounds=10, system_tokens="4000-8000", user_tokens="200-1500",
+                           answer_tokens="100-600", tool_prob=0.3, tool_tokens="2000-8000", decode_tokens=16,
                            budget="48GB", late_round=6, dtype="bf16", stream_tokens=0, residual_length=128,
                            protected_layers=2),
     "smollm2": dict(sessions=6, rounds=6, system_tokens="200-600", user_tokens="60-300", answer_tokens="30-120",
@@ -490,8 +493,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="model dtype (default: per model)")
     p.add_argument("--quick", action="store_true", help="seconds-long smoke run: 3 sessions x 3 rounds, short turns, "
                    "caches " + " ".join(QUICK_CACHES))
-    p.add_argument("--caches", nargs="+", default=None, help="caches to run, the first generating the answers "
-                   f"(default: {' '.join(DEFAULT_CACHES)})")
+    p.add_argument("--caches", nargs="+", default=None, help="caches to run (default: "
+                   f"{' '.join(DEFAULT_CACHES)}); a call with --out runs those its file does not hold yet, so one "
+                   "file can gather caches run by several calls")
+    p.add_argument("--reference", default="dynamic", help="the cache that generates the answers (run first when "
+                   "the file does not hold it yet); the others are fed them"),
     p.add_argument("--sessions", type=int, default=None)
     p.add_argument("--rounds", type=int, default=None)
     p.add_argument("--order", choices=("random", "round-robin"), default="random")
@@ -540,7 +546,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--host-budget needs --offload")
     if len(set(args.caches)) != len(args.caches):
         p.error(f"--caches names a cache twice: {args.caches}")
-    for name in args.caches:
+    for name in [args.reference, *args.caches]:
         try:
             cache_factory(name, None, args)
         except ValueError as e:
@@ -557,8 +563,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = _run.run_folder(args.out, label.replace("_", "-"), env)
     stem = out / label
     results = _run.Results(stem.with_suffix(".json"), {
-        "benchmark": "agent_sessions", "complete": False, "env": env, "args": dict(vars(args)), "runs": {},
-        "stream": {}}, restart=args.restart)
+        "benchmark": "agent_sessions", "complete": False, "env": env,
+        "args": {k: v for k, v in vars(args).items() if k != "caches"}, "runs": {}, "stream": {}},
+        restart=args.restart)  # --caches is not part of the configuration: one file gathers runs of several calls
     data = results.data
 
     def save() -> None:
@@ -590,14 +597,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "mean_user": sum(t.user for t in flat) / len(flat), "mean_answer": sum(t.answer for t in flat) / len(flat),
             "mean_tool": sum(t.tool for t in flat) / len(flat), "final_context_median": int(median(final)),
             "final_context_max": max(final), "tool_outputs": sum(t.tool > 0 for t in flat)}
-        total = len(args.caches) * args.sessions * args.rounds
-        done_turns = sum(len(r.get("rows", [])) for r in data["runs"].values() if r.get("complete"))
+        names = [args.reference] + [n for n in args.caches if n != args.reference]
+        todo = [n for n in names if not data["runs"].get(n, {}).get("complete")]
+        turns_per_run = args.sessions * args.rounds
         per_turn = [1.0]
-        bar = _run.Progress(label, (total - done_turns) * per_turn[0], "")
+        bar = _run.Progress(label, len(todo) * turns_per_run * per_turn[0], "")
         reference: dict[str, list[int]] | None = None
-        for i, name in enumerate(args.caches):
+        for i, name in enumerate(names):
             run = data["runs"].get(name)
-            if run is None or not run.get("complete"):
+            if name in todo:
                 factory_desc = cache_factory(name, model.config, args)[1]
                 run = data["runs"][name] = {"description": factory_desc, "complete": False, "rows": []}
                 bar.doing(name)
@@ -606,7 +614,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 def on_turn(row: dict[str, Any], run: dict[str, Any] = run, t_start: float = t_start) -> None:
                     run["rows"].append(row)
                     per_turn[0] = (time.perf_counter() - t_start) / len(run["rows"])
-                    left = total - sum(len(r["rows"]) for r in data["runs"].values())
+                    left = sum(turns_per_run - len(data["runs"].get(n, {}).get("rows", [])) for n in todo)
                     bar.step(left * per_turn[0])
                     if len(run["rows"]) % args.sessions == 0:  # partial results once a round
                         run["summary"] = summarize(run["rows"], args.late_round)
@@ -618,17 +626,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 save()
             if i == 0:  # the answers the other caches are fed
                 reference = {f"{r['session']}:{r['round'] - 1}": r["answer"] for r in run["rows"]}
-        if args.stream_tokens and set(data["stream"]) != set(args.caches):
+        missing = [n for n in names if n not in data["stream"]]
+        if args.stream_tokens and missing:
             bar.doing("streamed agreement")
             text_ids = tokenizer(_lm.reference_text(), return_tensors="pt", add_special_tokens=False).input_ids
             ids = text_ids[:, :args.stream_tokens].to(args.device)
             data["stream_info"] = {"tokens": ids.shape[1], **_lm.text_info(_lm.reference_text(), _lm.PPL_TOPICS)}
-            preds = {name: stream_agreement(model, ids, cache_factory(name, model.config, args)[0])
-                     for name in args.caches}
-            ref = preds[args.caches[0]]
-            data["stream"] = {name: {"agreement": sum(x == y for x, y in zip(p, ref)) / len(ref), "positions": len(ref)}
-                              for name, p in preds.items()}
-        data["complete"] = True
+            ref = stream_agreement(model, ids, cache_factory(args.reference, model.config, args)[0])
+            for name in missing:
+                preds = stream_agreement(model, ids, cache_factory(name, model.config, args)[0])
+                data["stream"][name] = {"agreement": sum(x == y for x, y in zip(preds, ref)) / len(ref),
+                                        "positions": len(ref)}
+                save()
+        data["complete"] = all(r.get("complete") for r in data["runs"].values())
         bar.doing("report")
         save()
         plotted = not args.no_plot and plot(data, stem.with_suffix(".png"))

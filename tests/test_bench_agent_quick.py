@@ -39,7 +39,7 @@ def test_options():
     assert bench.parse_bytes("48GB") == 48 * 10**9 and bench.parse_bytes("64MiB") == 64 * 2**20
     assert bench.parse_bytes("1.5KB") == 1500 and bench.parse_bytes("100") == 100
     args = bench.parse_args(["--model", "llama8b-random"])
-    assert (args.sessions, args.rounds, args.budget, args.dtype) == (32, 12, 48 * 10**9, "bf16")
+    assert (args.sessions, args.rounds, args.budget, args.dtype) == (32, 10, 48 * 10**9, "bf16")
     assert args.caches == list(bench.DEFAULT_CACHES)
     _, description = bench.cache_factory("tq4-r0-p1", None, args)
     assert description == "TQCache k4v4, window 0, 1+1 protected layers"
@@ -49,13 +49,18 @@ def test_options():
             bench.parse_args(bad)
 
 
-def test_quick_run_writes_a_complete_result_and_resumes(tmp_path):
+def test_quick_runs_gather_their_caches_in_one_result(tmp_path):
     cmd = [sys.executable, str(ROOT / "benchmarks" / "agent_sessions.py"), "--quick", "--model", "tiny-random",
-           "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+           "--out", str(tmp_path), "--caches"]
+    first = subprocess.run([*cmd, "fp8"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert first.returncode == 0, first.stderr[-3000:]
     stem = tmp_path / "agent_sessions_tiny-random_quick"
+    before = json.loads(stem.with_suffix(".json").read_text())
+    assert list(before["runs"]) == ["dynamic", "fp8"]  # the reference runs first
+    second = subprocess.run([*cmd, "tq4"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert second.returncode == 0 and "(resumed)" in second.stdout, second.stderr[-3000:]
     data = json.loads(stem.with_suffix(".json").read_text())
+    assert data["runs"]["fp8"]["rows"] == before["runs"]["fp8"]["rows"]
     assert data["complete"] and list(data["runs"]) == list(bench.QUICK_CACHES)
     budget = data["args"]["budget"]
     for name, run in data["runs"].items():
@@ -75,6 +80,3 @@ def test_quick_run_writes_a_complete_result_and_resumes(tmp_path):
     assert runs["dynamic"]["summary"]["all"]["reprefill_tokens"] > 0
     assert 0.5 <= runs["fp8"]["summary"]["all"]["agreement"] <= 1.0
     assert "| tq4 |" in stem.with_suffix(".md").read_text() and stem.with_suffix(".png").stat().st_size > 0
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert again.returncode == 0 and "(resumed)" in again.stdout, again.stderr[-3000:]
-    assert json.loads(stem.with_suffix(".json").read_text())["runs"]["tq4"]["rows"] == runs["tq4"]["rows"]
