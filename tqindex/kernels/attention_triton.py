@@ -29,7 +29,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .planes import ABSENT, RunLayout, next_power_of_2, run_layouts
-from .scan_triton import _level, _nibble_levels, default_decode, planar_queries, prmt_tables
+from .scan_triton import _groups, _level, _nibble_levels, _plane_levels, default_decode, planar_queries, prmt_tables
 
 BLOCK_N = 64
 """Key tokens per tile."""
@@ -55,22 +55,14 @@ def _key_scores(q_ptr, rows_ok, KC, kstride, tok, tmask, MAG, R: tl.constexpr, D
     for k0 in range(0, GP, BK):
         g = k0 + tl.arange(0, BK)
         gmask = tmask[:, None] & (g[None, :] < G)
-        base = KC + tok[:, None].to(tl.int64) * kstride + g[None, :] * GB
-        if GB == 3:
-            b0 = tl.load(base, mask=gmask & (g[None, :] * 3 < R[8]), other=0).to(tl.int32)
-            b1 = tl.load(base + 1, mask=gmask & (g[None, :] * 3 + 1 < R[8]), other=0).to(tl.int32)
-            b2 = tl.load(base + 2, mask=gmask & (g[None, :] * 3 + 2 < R[8]), other=0).to(tl.int32)
-            grp = b0 | (b1 << 8) | (b2 << 16)
-        else:
-            byte = tl.load(base, mask=gmask, other=0)
-            grp = byte.to(tl.int32)
+        byte, grp = _groups(KC + tok[:, None].to(tl.int64) * kstride + g[None, :] * GB, gmask, g, GB, R[8])
         if DECODE == 2 and BITS == 4:
             lo, hi = _nibble_levels(byte, T0, T1, T2, T3)
         for p in tl.static_range(P):
             if DECODE == 2 and BITS == 4:
                 v = lo if p == 0 else hi
             else:
-                v = _level((grp >> (p * BITS)) & ((1 << BITS) - 1), MAG, BITS, DECODE)
+                v = _plane_levels(grp, p, MAG, BITS, DECODE)
             v = tl.where(gmask & (g[None, :] * P + p < W), v, 0.0).to(tl.float16)  # [BLOCK_N, BK]
             q = tl.load(q_ptr + (p * GP + g)[None, :], mask=rows_ok, other=0.0)  # [BLOCK_M, BK]
             acc = tl.dot(q, tl.trans(v), acc)
@@ -87,13 +79,7 @@ def _value_rows(VC, vstride, tok, tmask, MAG, R: tl.constexpr, DECODE: tl.conste
     P: tl.constexpr = R[2]
     GP: tl.constexpr = DP // P
     g = tl.arange(0, GP)
-    rows = VC + tok[:, None].to(tl.int64) * vstride
-    gmask = tmask[:, None] & (g[None, :] * GB < R[8])
-    byte = tl.load(rows + g[None, :] * GB, mask=gmask, other=0)
-    w = byte.to(tl.int32)
-    if GB == 3:  # 3-bit codes: a group is 3 bytes of 8 codes
-        w |= tl.load(rows + g[None, :] * 3 + 1, mask=gmask & (g[None, :] * 3 + 1 < R[8]), other=0).to(tl.int32) << 8
-        w |= tl.load(rows + g[None, :] * 3 + 2, mask=gmask & (g[None, :] * 3 + 2 < R[8]), other=0).to(tl.int32) << 16
+    byte, w = _groups(VC + tok[:, None].to(tl.int64) * vstride + g[None, :] * GB, tmask[:, None], g, GB, R[8])
     if P == 1:
         v = _level(w, MAG, BITS, 1)
     elif P == 2:

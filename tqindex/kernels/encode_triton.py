@@ -29,6 +29,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .planes import RunLayout, plane_coordinates, plane_width, run_layouts, to_planes
+from .scan_triton import _magnitude
 
 BLOCK_N = 32
 """Rows per program."""
@@ -41,27 +42,6 @@ NUM_WARPS = 8
 
 def _sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-@triton.jit
-def _magnitude(m, MAG, H: tl.constexpr):
-    """``MAG[m]`` for indices m < H by a select tree (H <= 8) or a gather."""
-    if H == 1:
-        v = tl.zeros(m.shape, tl.float32) + tl.load(MAG)
-    elif H > 8:
-        v = tl.load(MAG + m)
-    else:
-        b0 = (m & 1) != 0
-        v = tl.where(b0, tl.load(MAG + 1), tl.load(MAG))
-        if H >= 4:
-            v23 = tl.where(b0, tl.load(MAG + 3), tl.load(MAG + 2))
-            v = tl.where((m & 2) != 0, v23, v)
-            if H == 8:
-                v45 = tl.where(b0, tl.load(MAG + 5), tl.load(MAG + 4))
-                v67 = tl.where(b0, tl.load(MAG + 7), tl.load(MAG + 6))
-                v47 = tl.where((m & 2) != 0, v67, v45)
-                v = tl.where((m & 4) != 0, v47, v)
-    return v
 
 
 @triton.jit

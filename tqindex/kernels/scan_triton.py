@@ -154,6 +154,19 @@ def _nibble_levels(byte, T0, T1, T2, T3):
 
 
 @triton.jit
+def _groups(base, gmask, g, GB: tl.constexpr, NBYTES: tl.constexpr):
+    """The code groups at ``base`` ([rows, groups] pointers, group numbers ``g``; a group is one byte, or
+    for 3-bit codes three bytes of eight codes; bytes past the run's NBYTES read as 0) -> (their first
+    bytes, uint8; the groups as int32)."""
+    byte = tl.load(base, mask=gmask & (g[None, :] * GB < NBYTES), other=0)
+    grp = byte.to(tl.int32)
+    if GB == 3:
+        grp |= tl.load(base + 1, mask=gmask & (g[None, :] * 3 + 1 < NBYTES), other=0).to(tl.int32) << 8
+        grp |= tl.load(base + 2, mask=gmask & (g[None, :] * 3 + 2 < NBYTES), other=0).to(tl.int32) << 16
+    return byte, grp
+
+
+@triton.jit
 def _plane_levels(grp, p: tl.constexpr, MAG, BITS: tl.constexpr, DECODE: tl.constexpr):
     """Levels of plane ``p`` (code p of each group) of int32 groups ``grp``."""
     code = (grp >> (p * BITS)) & ((1 << BITS) - 1)
@@ -171,14 +184,7 @@ def _run_scores(acc, sq, rows, rmask, CODES, row_bytes, QP, qw, qcols, qmask, MA
         g = k0 + tl.arange(0, BK)  # groups of this step
         gmask = rmask[:, None] & (g[None, :] < G)
         base = CODES + rows[:, None].to(tl.int64) * row_bytes + BOFF + g[None, :] * GB  # [BLOCK_N, BK]
-        if GB == 3:
-            b0 = tl.load(base, mask=gmask & (g[None, :] * 3 < NBYTES), other=0).to(tl.int32)
-            b1 = tl.load(base + 1, mask=gmask & (g[None, :] * 3 + 1 < NBYTES), other=0).to(tl.int32)
-            b2 = tl.load(base + 2, mask=gmask & (g[None, :] * 3 + 2 < NBYTES), other=0).to(tl.int32)
-            grp = b0 | (b1 << 8) | (b2 << 16)
-        else:
-            byte = tl.load(base, mask=gmask, other=0)
-            grp = byte.to(tl.int32)
+        byte, grp = _groups(base, gmask, g, GB, NBYTES)
         if DECODE == 2 and BITS == 4:
             lo, hi = _nibble_levels(byte, T0, T1, T2, T3)
         for p in tl.static_range(P):
