@@ -29,7 +29,6 @@ def test_adds_removes_and_searches_at_once(kind):
     index.add(vectors(START, 0))
     added = [np.arange(START + i * ADD_ROWS, START + (i + 1) * ADD_ROWS) for i in range(ADDS)]
     removed = [np.arange(i * REMOVE_ROWS, (i + 1) * REMOVE_ROWS) for i in range(REMOVES)]
-    gone_before: list[set] = []  # ids whose removal had returned when each search started
     done_removing: set = set()
     results, errors = [], []
     q = vectors(20, 1)

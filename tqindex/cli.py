@@ -173,8 +173,9 @@ def search(args: argparse.Namespace) -> int:
         else:
             with h5py.File(tmp, "w") as f:
                 f["ids"], f["scores"] = ids, scores
-    _printer(args.quiet)(f"wrote {out}: ids and scores [{len(queries):,}, {args.k}] ({index.metric} "
-                         f"{'distances' if index.metric == 'l2' else 'scores'}), {len(queries) / seconds:,.0f} queries/s")
+    kind = "distances" if index.metric == "l2" else "scores"
+    _printer(args.quiet)(f"wrote {out}: ids and scores [{len(queries):,}, {args.k}] ({index.metric} {kind}), "
+                         f"{len(queries) / seconds:,.0f} queries/s")
     return 0
 
 

@@ -77,7 +77,8 @@ class Encoder(ABC):
         for k, v in tensors.items():
             ref = self._state[k]
             if tuple(v.shape) != tuple(ref.shape) or v.dtype != ref.dtype:
-                raise ValueError(f"encoder tensor {k!r}: got {tuple(v.shape)} {v.dtype}, expected {tuple(ref.shape)} {ref.dtype}")
+                raise ValueError(f"encoder tensor {k!r}: got {tuple(v.shape)} {v.dtype}, "
+                                 f"expected {tuple(ref.shape)} {ref.dtype}")
         self._state = {k: v.detach().cpu().clone() for k, v in tensors.items()}
         self._tensors_changed()
 

@@ -125,7 +125,8 @@ class BaseIndex(ABC):
         return self._state.nbytes + self._fixed_bytes()
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.encoder!r}, metric={self.metric!r}, ntotal={self.ntotal}, device={self.device})"
+        return (f"{type(self).__name__}({self.encoder!r}, metric={self.metric!r}, ntotal={self.ntotal}, "
+                f"device={self.device})")
 
     def to(self, device: Any) -> "BaseIndex":
         """Move codes, ids and kept vectors to ``device`` ("cpu", "cuda", ...) in place; -> this index."""
@@ -384,7 +385,8 @@ class BaseIndex(ABC):
         if codes.shape != (n,) or codes.nbytes != n * self.encoder.code_size:
             raise ValueError(f"codes of shape {tuple(codes.shape)} and {codes.nbytes} bytes do not match "
                              f"ntotal={n} x code_size={self.encoder.code_size}")
-        if vectors is not None and (vectors.shape != (n, self.dim) or vectors.dtype != VECTOR_DTYPES[self.vectors_dtype]):
+        expected = ((n, self.dim), VECTOR_DTYPES[self.vectors_dtype])
+        if vectors is not None and (tuple(vectors.shape), vectors.dtype) != expected:
             raise ValueError(f"kept vectors {tuple(vectors.shape)} {vectors.dtype} do not match the header")
         lists = []
         for a, b in zip(offsets[:-1], offsets[1:]):  # views of the loaded arrays: capacity = size

@@ -91,7 +91,8 @@ class IVFIndex(BaseIndex):
                 raise ValueError(f"train needs at least nlist={self.nlist} vectors, got {len(xt)}")
             spherical = self.metric != "l2"
             xk = torch.nn.functional.normalize(xt, dim=1) if self.metric == "ip" else xt
-            km = faiss.Kmeans(self.dim, self.nlist, niter=self.niter, seed=self.seed, spherical=spherical, verbose=False)
+            km = faiss.Kmeans(self.dim, self.nlist, niter=self.niter, seed=self.seed, spherical=spherical,
+                              verbose=False)
             km.train(np.ascontiguousarray(xk.numpy()))
             centroids = torch.from_numpy(km.centroids.astype(np.float32))
             if not self.encoder.is_trained:  # a learned encoder fits what the lists will hold
@@ -217,8 +218,9 @@ class IVFIndex(BaseIndex):
     @classmethod
     def _from_file(cls, header: dict, arrays: dict[str, np.ndarray]) -> "IVFIndex":
         ivf = header["ivf"]
-        index = cls(cls._encoder_from_file(header, arrays), ivf["nlist"], header["metric"], by_residual=ivf["by_residual"],
-                    nprobe=ivf["nprobe"], seed=ivf["seed"], niter=ivf["niter"], **cls._options_from_file(header))
+        index = cls(cls._encoder_from_file(header, arrays), ivf["nlist"], header["metric"],
+                    by_residual=ivf["by_residual"], nprobe=ivf["nprobe"], seed=ivf["seed"], niter=ivf["niter"],
+                    **cls._options_from_file(header))
         if ivf["trained"]:
             index.set_centroids(torch.from_numpy(arrays["ivf/centroids"]))
         offsets = arrays["ivf/list_offsets"]

@@ -105,12 +105,14 @@ class TQVectorStore(VectorStore):
         metadatas = [{} for _ in texts] if metadatas is None else list(metadatas)
         ids = [None] * n if ids is None else list(ids)
         if len(metadatas) != n or len(ids) != n:
-            raise ValueError(f"metadatas and ids must have one entry per text ({n}), got {len(metadatas)} and {len(ids)}")
+            raise ValueError(f"metadatas and ids must have one entry per text ({n}), "
+                             f"got {len(metadatas)} and {len(ids)}")
         ids = [str(uuid.uuid4()) if i is None else i for i in ids]
         if not all(isinstance(i, str) for i in ids):
             raise TypeError(f"ids must be strings (or None), got {[type(i).__name__ for i in ids][:5]}")
         if len(set(ids)) != n:
-            raise ValueError(f"ids must be distinct within one call, got repeats {sorted({i for i in ids if ids.count(i) > 1})[:5]}")
+            repeats = sorted({i for i in ids if ids.count(i) > 1})
+            raise ValueError(f"ids must be distinct within one call, got repeats {repeats[:5]}")
         metadatas = [_json_metadata(m, j) for j, m in enumerate(metadatas)]
         if not n:
             return []

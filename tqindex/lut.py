@@ -81,7 +81,8 @@ class LookupTables:
                 self.runs.append(NibbleRun(start, run.width, per_nibble, 2 * -(-run.width // (2 * per_nibble)),
                                            run.centroids.to(device)[nibbles.int()]))
             start += run.width
-        self.nbytes = sum(r.nibbles for r in self.runs) // 2  # P: nibble-packed bytes per vector (more than stored for 3 bits)
+        # P: nibble-packed bytes per vector (more than stored for 3 bits)
+        self.nbytes = sum(r.nibbles for r in self.runs) // 2
         # the runs of the compiled scan's approximate stage, and its bytes per row
         self.scan_runs = self._split_runs(runs) if self.code_bits == STREAM_BITS else self.runs
         self.scan_nbytes = -(-sum(r.nibbles for r in self.scan_runs) // 2)

@@ -57,7 +57,8 @@ class TurboQuantMSE(DirectionEncoder):
         if not isinstance(self.code_search, int) or self.code_search < 1:
             raise ValueError(f"code_search must be an integer >= 1, got {self.code_search!r}")
         if self.code_search > 1 and self.rescale == "norm":
-            raise ValueError("code_search > 1 needs rescale='unbiased' or 'cos' (rescale='norm' keeps the paper's codes)")
+            raise ValueError("code_search > 1 needs rescale='unbiased' or 'cos' "
+                             "(rescale='norm' keeps the paper's codes)")
         check_choice(self.norm_dtype, "norm_dtype", NORM_DTYPES)
         check_choice(self.rotation, "rotation", ROTATION_KINDS)
 

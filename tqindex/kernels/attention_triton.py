@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .planes import ABSENT, RunLayout, next_power_of_2, run_layouts
+from .planes import RunLayout, next_power_of_2, run_layouts
 from .scan_triton import _groups, _level, _nibble_levels, _plane_levels, default_decode, planar_queries, prmt_tables
 
 BLOCK_N = 64

@@ -218,7 +218,8 @@ def encode_directions_triton(x: Tensor, rotation: Any, runs: Sequence[Any], alph
     norm, dot, sq = (torch.empty(n, device=device) for _ in range(3))
     if n:
         _encode_kernel[(programs,)](
-            src, x, rp, scratch, n, d, pw, mags.to(device), bounds.to(device), alphas.float().contiguous().to(device), qdata,
+            src, x, rp, scratch, n, d, pw, mags.to(device), bounds.to(device),
+            alphas.float().contiguous().to(device), qdata,
             row_bytes, norm, dot, sq, R0=tuple(layouts[0]), R1=tuple(layouts[1]), R2=tuple(layouts[2]),
             A=len(alphas), AP=max(2, triton.next_power_of_2(len(alphas))), ROTATE=rotate,
             DK=triton.cdiv(d, BLOCK_K) * BLOCK_K, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,

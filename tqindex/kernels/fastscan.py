@@ -17,9 +17,9 @@ all the lists it probes share one reservoir and are re-scored once; :func:`top_c
 lists) and :func:`group_pairs` (the (query, list) pairs by list) prepare that call.
 
 The kernel is built by ``pip install`` when a C compiler is present (``native.py``); :class:`NativeScorer`
-is the scorer of direction codes that uses it (``tqindex.scorer.direction_scorer`` picks it). :func:`reference_scores` is the numpy
-reference of the approximate scores over the rows :func:`reference_rows` gives (:func:`kernel_candidates`
-runs that stage alone).
+is the scorer of direction codes that uses it (``tqindex.scorer.direction_scorer`` picks it).
+:func:`reference_scores` is the numpy reference of the approximate scores over the rows
+:func:`reference_rows` gives (:func:`kernel_candidates` runs that stage alone).
 """
 
 from __future__ import annotations
@@ -260,7 +260,8 @@ class FastScan:
                 None if labels is None else labels[r0:].data_ptr(), base + r0, q1 - q0, qs[q0:].data_ptr(),
                 self.lut.dim, coord.data_ptr(), bank_of.data_ptr(), bank.data_ptr(),
                 None if offset is None else offset[q0:].data_ptr(), depth,
-                None if heap_rows is None else heap_rows[q0:].data_ptr(), k, hv.data_ptr(), hi.data_ptr(), int(self.simd))
+                None if heap_rows is None else heap_rows[q0:].data_ptr(), k, hv.data_ptr(), hi.data_ptr(),
+                int(self.simd))
 
         if threads == 1 or m >= threads:  # split the queries, into several jobs per thread when they are many
             cuts = _query_cuts(m, threads)

@@ -431,7 +431,8 @@ class TritonScorer(Scorer):
 
     def __init__(self, encoder: Any, qs: Tensor, l2: bool, bar: Any = None, decode: int | None = None) -> None:
         super().__init__(encoder, qs, l2, bar)
-        self.runs, self.mags, self.tables = encoder.derived(qs.device, "triton-scan", lambda: _scan_tables(encoder, qs.device))
+        self.runs, self.mags, self.tables = encoder.derived(qs.device, "triton-scan",
+                                                            lambda: _scan_tables(encoder, qs.device))
         self.qp, self.qscale = planar_queries(qs.float(), [RunLayout(*r) for r in self.runs])
         self.decode = default_decode(qs.device) if decode is None else decode
 
