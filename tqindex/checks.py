@@ -38,6 +38,28 @@ def check_bool(value: Any, name: str) -> bool:
     return value
 
 
+def id_array(ids: Any, name: str, n: int | None = None) -> np.ndarray:
+    """ids (numpy, torch or a sequence of integers) -> int64 [m] ids in [0, 2**63); with ``n``: exactly n,
+    distinct (the ids of n new vectors)."""
+    a = ids.detach().cpu().numpy() if isinstance(ids, Tensor) else np.asarray(ids)
+    if a.size == 0:
+        a = a.astype(np.int64)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{name} must hold integers (int64 ids), got dtype {a.dtype}")
+    if a.ndim != 1:
+        raise ValueError(f"{name} must be a 1-D array of ids, got shape {a.shape}")
+    if a.size and (int(a.min()) < 0 or int(a.max()) > np.iinfo(np.int64).max):
+        raise ValueError(f"{name} must be in [0, 2**63), got values in [{a.min()}, {a.max()}]")
+    a = a.astype(np.int64)
+    if n is not None:
+        if len(a) != n:
+            raise ValueError(f"{name} must hold one id per vector ({n}), got {len(a)}")
+        uniq, counts = np.unique(a, return_counts=True)
+        if len(uniq) != n:
+            raise ValueError(f"{name} must be distinct; repeated: {uniq[counts > 1][:5].tolist()}")
+    return a
+
+
 def as_float_tensor(x: Any, dim: int, name: str = "x", allow_empty: bool = False) -> Tensor:
     """Validate vectors ``x`` [..., dim] (numpy or torch, floating) and return them as float32 torch.
 

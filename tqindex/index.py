@@ -28,7 +28,8 @@ from torch import Tensor
 from tqdm import tqdm
 
 from . import kernels
-from .checks import as_float_tensor, check_bool, check_choice, check_int, check_norms, row_norms, unit_rows
+from .checks import (as_float_tensor, check_bool, check_choice, check_int, check_norms, id_array, row_norms,
+                     unit_rows)
 from .codes import Codes
 from .encoder import Encoder, encoder_from_dict
 from .io import register_index_type, write_index_file
@@ -148,7 +149,7 @@ class BaseIndex(ABC):
         self._check_trained()
         xt = self._vectors_in(x, "x", allow_empty=False, stored=True)
         n = xt.shape[0]
-        given = None if ids is None else _distinct_ids(ids, n)
+        given = None if ids is None else torch.from_numpy(id_array(ids, "ids", n))
         assign = self._assign(xt)  # [n] int64 list numbers
         show = _show(progress, n >= PROGRESS_MIN_ADD)
         parts = []
@@ -183,7 +184,7 @@ class BaseIndex(ABC):
 
     def remove_ids(self, ids: Any) -> int:
         """Remove the vectors with these ids (unknown ids are ignored); -> number removed."""
-        gone = torch.from_numpy(np.unique(_int_array(ids, "ids"))).to(self.device)
+        gone = torch.from_numpy(np.unique(id_array(ids, "ids"))).to(self.device)
         with self._writer:
             state = self._state
             lists, removed = list(state.lists), 0
@@ -217,7 +218,7 @@ class BaseIndex(ABC):
             self._check_trained()
         qt = self._vectors_in(q, "q", allow_empty=True)
         state = self._state  # one consistent snapshot for the whole search
-        allowed = None if allow is None else torch.from_numpy(np.unique(_int_array(allow, "allow"))).to(self.device)
+        allowed = None if allow is None else torch.from_numpy(np.unique(id_array(allow, "allow"))).to(self.device)
         depth = k * self.rerank_factor if self.keep_vectors else k
         l2 = self.metric == "l2"
         top = make_topk(len(qt), depth, self.device)
@@ -449,31 +450,6 @@ class FlatIndex(BaseIndex):
 def selected_rows(ids: Tensor, allowed: Tensor | None) -> Tensor | None:
     """Rows (int64) of ids [n] that are in ``allowed`` (sorted int64 ids), or None (all) when allowed is None."""
     return None if allowed is None else torch.nonzero(torch.isin(ids, allowed)).squeeze(1)
-
-
-def _int_array(ids: Any, name: str) -> np.ndarray:
-    """ids (numpy, torch or sequence of integers) -> 1-D int64 numpy array of non-negative ids."""
-    a = ids.detach().cpu().numpy() if isinstance(ids, Tensor) else np.asarray(ids)
-    if a.size == 0:
-        a = a.astype(np.int64)
-    if a.dtype.kind not in "iu":
-        raise TypeError(f"{name} must hold integers (int64 ids), got dtype {a.dtype}")
-    if a.ndim != 1:
-        raise ValueError(f"{name} must be a 1-D array of ids, got shape {a.shape}")
-    if a.size and (int(a.min()) < 0 or int(a.max()) > np.iinfo(np.int64).max):
-        raise ValueError(f"{name} must be in [0, 2**63), got values in [{a.min()}, {a.max()}]")
-    return a.astype(np.int64)
-
-
-def _distinct_ids(ids: Any, n: int) -> Tensor:
-    """Validated ids of n new vectors: int64 [n], no repeats."""
-    a = _int_array(ids, "ids")
-    if a.shape != (n,):
-        raise ValueError(f"ids must be a 1-D array with one id per vector ({n}), got shape {a.shape}")
-    uniq, counts = np.unique(a, return_counts=True)
-    if len(uniq) != n:
-        raise ValueError(f"ids must be distinct; repeated: {uniq[counts > 1][:5].tolist()}")
-    return torch.from_numpy(a)
 
 
 def _show(progress: bool | None, large: bool) -> bool:

@@ -34,26 +34,6 @@ def count_rows(x: Any, dim: int, name: str, allow_empty: bool = True, allow_none
     return int(x.shape[0])
 
 
-def id_array(ids: Any, name: str, n: int | None = None) -> np.ndarray:
-    """ids (numpy, torch or a sequence of integers) -> int64 [m] ids >= 0; with ``n``: exactly n, distinct."""
-    a = ids.detach().cpu().numpy() if isinstance(ids, Tensor) else np.asarray(ids)
-    if a.size == 0:
-        a = a.astype(np.int64)
-    if a.dtype.kind not in "iu":
-        raise TypeError(f"{name} must hold integers (int64 ids), got dtype {a.dtype}")
-    if a.ndim != 1:
-        raise ValueError(f"{name} must be a 1-D array of ids, got shape {a.shape}")
-    if a.size and (int(a.min()) < 0 or int(a.max()) > np.iinfo(np.int64).max):
-        raise ValueError(f"{name} must be in [0, 2**63), got values in [{a.min()}, {a.max()}]")
-    a = a.astype(np.int64)
-    if n is not None:
-        if len(a) != n:
-            raise ValueError(f"{name} must hold one id per vector ({n}), got {len(a)}")
-        if len(np.unique(a)) != n:
-            raise ValueError(f"{name} must be distinct")
-    return a
-
-
 def as_float32(x: Any) -> Tensor:
     """Vectors (numpy or torch) as a contiguous float32 tensor (on x's device)."""
     if isinstance(x, np.ndarray):

@@ -24,11 +24,11 @@ import torch
 from torch import Tensor
 
 from .. import FlatIndex, IVFIndex
-from ..checks import check_int
+from ..checks import check_int, id_array
 from .comm import Comm, digest
 from .files import (encoder_config, file_sha256, load_shard, read_manifest, remove_stale_shards, shard_file_name,
                     write_manifest)
-from .inputs import as_float32, count_rows, id_array, pad_rows, same_across_ranks
+from .inputs import as_float32, count_rows, pad_rows, same_across_ranks
 from .merge import merge_topk
 
 _EMPTY = (np.iinfo(np.int64).max, -1)  # an id range holding nothing: lo > hi, neutral under min / max
