@@ -26,8 +26,10 @@ With SmolLM2 the run also measures that agreement under the streamed protocol of
 
 Caches: ``dynamic`` (``DynamicCache``, the model's dtype), ``fp8`` (:class:`tqindex.kv.FP8Cache`), TQCache
 presets ``k8v4``, ``tq4`` (k4v4), ``fp4``, ``tq3`` (k3v3), ``k3v4``, with an optional ``-r{N}-p{N}`` suffix
-(full-precision window, protected layers; default ``--residual-length`` / ``--protected-layers``). The
-model attends through the "tqindex" attention: codes for TQCache, sdpa for dense tensors.
+(full-precision window, protected layers; default ``--residual-length`` / ``--protected-layers``) and an
+optional ``-sdpa`` suffix. The model attends through the "tqindex" attention: from the codes for TQCache,
+sdpa for dense tensors; a ``-sdpa`` cache's prefills (and extends) read its history decoded, through sdpa
+(``SessionStore(prefill_attention="sdpa")``), its one-token steps still from the codes.
 
 Models: ``smollm2`` (SmolLM2-135M-Instruct, ``tqindex.data.load_smollm2``, CPU), ``llama8b-random`` (random
 weights of the Llama-3-8B shape: 32 layers, 32 query / 8 KV heads, head_dim 128; for a GPU),
@@ -67,16 +69,16 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _env  # noqa: E402
 import _lm  # noqa: E402
 import _run  # noqa: E402
-from _env import environment  # noqa: E402
 
 from tqindex.kv import FP8Cache, SessionStore, TQCache  # noqa: E402  (registers the "tqindex" attention)
 
 TQ_PRESETS = {"k8v4": "k8v4", "tq4": "k4v4", "fp4": "fp4", "tq3": "k3v3", "k3v4": "k3v4"}
 """Cache name -> TQCache.preset name."""
 DEFAULT_CACHES = ("dynamic", "fp8", "k8v4", "tq4", "fp4", "tq3")
-_CACHE_NAME = re.compile(r"(?P<base>[a-z0-9]+)(?:-r(?P<r>\d+))?(?:-p(?P<p>\d+))?")
+_CACHE_NAME = re.compile(r"(?P<base>[a-z0-9]+)(?:-r(?P<r>\d+))?(?:-p(?P<p>\d+))?(?P<sdpa>-sdpa)?")
 
 # Per model: (workload defaults, --quick overrides). Lengths are "lo-hi" token ranges.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -86,7 +88,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                            protected_layers=2),
     "smollm2": dict(sessions=6, rounds=6, system_tokens="200-600", user_tokens="60-300", answer_tokens="30-120",
                     tool_prob=0.3, tool_tokens="200-800", decode_tokens=6, budget="120MB", late_round=4,
-                    dtype="fp32", stream_tokens=2048, residual_length=128, protected_layers=2),
+                    dtype="bf16", stream_tokens=2048, residual_length=128, protected_layers=2),
     "tiny-random": dict(sessions=4, rounds=4, system_tokens="40-80", user_tokens="10-40", answer_tokens="8-16",
                         tool_prob=0.3, tool_tokens="30-60", decode_tokens=4, budget="400KB", late_round=3,
                         dtype="fp32", stream_tokens=0, residual_length=8, protected_layers=1),
@@ -192,7 +194,7 @@ def load_model(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
 
         model, tokenizer = load_smollm2(dtype=dtype)
         model = model.to(args.device)
-        info = {"name": _lm.MODEL_NAME}
+        info = {"name": "SmolLM2-135M-Instruct (Q4_1 GGUF weights, dequantized)"}
     else:
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -216,24 +218,27 @@ def load_model(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
     return model, tokenizer, info
 
 
-def cache_factory(name: str, config: Any, args: argparse.Namespace) -> tuple[Callable[[], Any], str]:
-    """A cache name (see the module notes) -> (factory, description). ValueError for unknown names."""
+def cache_factory(name: str, config: Any, args: argparse.Namespace) -> tuple[Callable[[], Any], str, str | None]:
+    """A cache name (see the module notes) -> (factory, description, attention implementation of prefills:
+    None for the model's). ValueError for unknown names."""
     m = _CACHE_NAME.fullmatch(name)
     base = m["base"] if m else None
-    if base in ("dynamic", "fp8") and m["r"] is None and m["p"] is None:
+    if base in ("dynamic", "fp8") and m["r"] is None and m["p"] is None and m["sdpa"] is None:
         if base == "dynamic":
             from transformers import DynamicCache
 
-            return (lambda: DynamicCache(config=config)), f"DynamicCache ({args.dtype})"
-        return (lambda: FP8Cache(config)), "FP8Cache: E4M3 codes, one float32 scale per token and head"
+            return (lambda: DynamicCache(config=config)), f"DynamicCache ({args.dtype})", None
+        return (lambda: FP8Cache(config)), "FP8Cache: E4M3 codes, one float32 scale per token and head", None
     if base in TQ_PRESETS:
         r = args.residual_length if m["r"] is None else int(m["r"])
         p = args.protected_layers if m["p"] is None else int(m["p"])
         preset = TQ_PRESETS[base]
+        sdpa = m["sdpa"] is not None
         return ((lambda: TQCache.preset(config, preset, residual_length=r, protected_layers=p)),
-                f"TQCache {preset}, window {r}, {p}+{p} protected layers")
-    raise ValueError(f"unknown cache {name!r}: dynamic, fp8 or one of {', '.join(TQ_PRESETS)} with an optional "
-                     "-r{window}-p{protected layers} suffix")
+                f"TQCache {preset}, window {r}, {p}+{p} protected layers"
+                + (", prefills attend the decoded history (sdpa)" if sdpa else ""), "sdpa" if sdpa else None)
+    raise ValueError(f"unknown cache {name!r}: dynamic, fp8 or one of {', '.join(TQ_PRESETS)} with optional "
+                     "-r{window}, -p{protected layers} and -sdpa suffixes")
 
 
 def sync(device: torch.device) -> None:
@@ -243,10 +248,10 @@ def sync(device: torch.device) -> None:
 
 # ------------------------------------------------------------------------------ one cache
 
-def warm_up(model: Any, factory: Callable[[], Any], vocab: int) -> None:
+def warm_up(model: Any, factory: Callable[[], Any], vocab: int, prefill_attention: str | None) -> None:
     """Two short turns through a throwaway store: first-call costs (kernel compilation, allocator) are paid
     before anything is timed."""
-    store = SessionStore(model, factory, 2**62)
+    store = SessionStore(model, factory, 2**62, prefill_attention=prefill_attention)
     store.open(0)
     for n in (256, 64):
         store.turn(0, [(7 * i) % vocab for i in range(n)], max_new_tokens=3)
@@ -256,15 +261,15 @@ def run_cache(name: str, model: Any, tokens: Tokens, workload: tuple, args: argp
               reference: dict[str, list[int]] | None, on_turn: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     """Serve the whole workload with one cache. ``reference``: answers to force ('s:r' -> ids), None to
     generate them. ``on_turn(row)`` after every turn. -> the run's summary fields (rows are on_turn's)."""
-    factory, _ = cache_factory(name, model.config, args)
+    factory, _, prefill_attention = cache_factory(name, model.config, args)
     device = torch.device(args.device)
-    warm_up(model, factory, tokens.vocab)
+    warm_up(model, factory, tokens.vocab, prefill_attention)
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     store = SessionStore(model, factory, args.budget, offload=args.offload, host_budget_bytes=args.host_budget,
-                         prefill_chunk=args.prefill_chunk)
+                         prefill_chunk=args.prefill_chunk, prefill_attention=prefill_attention)
     system, turns, order = workload
     for s in range(args.sessions):
         store.open(s)
@@ -304,7 +309,8 @@ def run_cache(name: str, model: Any, tokens: Tokens, workload: tuple, args: argp
 
 def stream_agreement(model: Any, ids: torch.Tensor, factory: Callable[[], Any]) -> list[int]:
     """kv_quality.py's streamed protocol: ids [1, T] fed as a STREAM_PREFILL-token prefill, then chunks of
-    STREAM_CHUNK, through a new cache. -> greedy next-token predictions for positions STREAM_PREFILL-1 .. T-2."""
+    STREAM_CHUNK, through a new cache (under the model's attention: the chunks attend from the codes). ->
+    greedy next-token predictions for positions STREAM_PREFILL-1 .. T-2."""
     cache = factory()
     kw = {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}
     preds = []
@@ -558,7 +564,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     argv = sys.argv[1:] if argv is None else argv
     torch.set_num_threads(args.threads)
-    env = environment(args.threads)
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device} needs a CUDA GPU: torch sees none")
+    env = _env.named_commit(_env.environment(args.threads))  # a GPU machine's copy of the tree names its commit
     label = f"agent_sessions_{args.model}" + ("_quick" if args.quick else "")
     out = _run.run_folder(args.out, label.replace("_", "-"), env)
     stem = out / label

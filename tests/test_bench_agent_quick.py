@@ -41,9 +41,12 @@ def test_options():
     args = bench.parse_args(["--model", "llama8b-random"])
     assert (args.sessions, args.rounds, args.budget, args.dtype) == (32, 10, 48 * 10**9, "bf16")
     assert args.caches == list(bench.DEFAULT_CACHES)
-    _, description = bench.cache_factory("tq4-r0-p1", None, args)
-    assert description == "TQCache k4v4, window 0, 1+1 protected layers"
+    _, description, prefill = bench.cache_factory("tq4-r0-p1", None, args)
+    assert description == "TQCache k4v4, window 0, 1+1 protected layers" and prefill is None
+    _, description, prefill = bench.cache_factory("fp4-sdpa", None, args)
+    assert description.startswith("TQCache fp4, window 128, 2+2") and prefill == "sdpa"
     for bad in (["--budget", "-3GB"], ["--user-tokens", "50-10"], ["--caches", "tq5"], ["--caches", "fp8", "fp8"],
+                ["--caches", "fp8-sdpa"],
                 ["--host-budget", "1GB"], ["--sessions", "0"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)

@@ -154,6 +154,18 @@ def test_tq_sessions_round_trip(llama):
         assert err < 0.05
 
 
+def test_prefill_attention_is_set_for_prefills_only(llama):
+    straight = _session(llama, tq(llama), TURNS)
+    answers = [r.output_ids for r in straight]
+    decoded = _session(llama, tq(llama), TURNS, answers=answers, prefill_attention="sdpa")
+    assert llama.config._attn_implementation == ATTN_IMPLEMENTATION  # restored
+    for a, b in zip(decoded, straight):  # the same codes, read decoded by sdpa instead of from the codes
+        torch.testing.assert_close(a.first_logits, b.first_logits, rtol=0, atol=1e-4)
+        assert a.predicted_ids == b.predicted_ids
+    with pytest.raises(TypeError, match="prefill_attention"):
+        SessionStore(llama, tq(llama), 10**9, prefill_attention=1)
+
+
 def test_compaction_leaves_no_unused_capacity(llama):
     for compact in (False, True):
         store = store_with(llama, tq(llama), 10**9, ["a"], compact=compact)

@@ -163,6 +163,9 @@ class SessionStore:
     turn. offload: move evicted caches to host memory instead of dropping them. host_budget_bytes: bytes
     offloaded caches may hold (None: no limit; only with ``offload``). compact: copy a grown pytree cache to
     its exact size after its turn. prefill_chunk: tokens per forward pass of a prefill (None: one pass).
+    prefill_attention: the model's attention implementation during prefills and extends (e.g. ``"sdpa"``,
+    where a TQCache hands out its history decoded, against ``"tqindex"`` attending from the codes), the
+    model's own restored for the one-token steps; None: the model's own throughout.
     """
 
     def __init__(
@@ -175,6 +178,7 @@ class SessionStore:
         host_budget_bytes: int | None = None,
         compact: bool = True,
         prefill_chunk: int | None = None,
+        prefill_attention: str | None = None,
     ) -> None:
         if not callable(cache_factory):
             raise TypeError(f"cache_factory must be a callable returning a new cache, got {type(cache_factory).__name__}")
@@ -189,6 +193,10 @@ class SessionStore:
         self.host_budget_bytes = host_budget_bytes
         self.compact = check_bool(compact, "compact")
         self.prefill_chunk = None if prefill_chunk is None else check_int(prefill_chunk, "prefill_chunk", 1)
+        if prefill_attention is not None and not isinstance(prefill_attention, str):
+            raise TypeError(f"prefill_attention must be an attention implementation name or None, got "
+                            f"{type(prefill_attention).__name__}")
+        self.prefill_attention = prefill_attention
         self.device = next(model.parameters()).device
         self.vocab_size = model.get_input_embeddings().num_embeddings
         params = inspect.signature(model.forward).parameters
@@ -387,11 +395,19 @@ class SessionStore:
         return out.logits[0, -1]
 
     def _prefill(self, cache: Any, tokens: list[int]) -> Tensor:
-        """Run ``tokens`` through the model in chunks of ``prefill_chunk`` -> logits [vocab] after the last."""
+        """Run ``tokens`` through the model in chunks of ``prefill_chunk``, under ``prefill_attention`` ->
+        logits [vocab] after the last."""
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         step = self.prefill_chunk or len(tokens)
-        for start in range(0, len(tokens), step):
-            logits = self._forward(cache, ids[:, start:start + step])
+        own = self.model.config._attn_implementation
+        if self.prefill_attention is not None:
+            self.model.set_attn_implementation(self.prefill_attention)
+        try:
+            for start in range(0, len(tokens), step):
+                logits = self._forward(cache, ids[:, start:start + step])
+        finally:
+            if self.prefill_attention is not None:
+                self.model.set_attn_implementation(own)
         return logits
 
     def _answer(self, cache: Any, first: int, forced: list[int] | None, n: int,
