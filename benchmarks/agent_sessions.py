@@ -44,10 +44,10 @@ a run's configuration: calls with the same ``--out`` and other caches add their 
 cache per call where a call's time is limited).
 
     python benchmarks/agent_sessions.py --quick                                   # CI smoke run, CPU
-    python benchmarks/agent_sessions.py --out benchmarks/results/agent_sessions_smollm2_cpu
+    python benchmarks/agent_sessions.py --out benchmarks/results                  # SmolLM2 on the CPU
     for c in dynamic fp8 k8v4 tq4 fp4 tq3; do                                     # 32 sessions, 48 GB
         python benchmarks/agent_sessions.py --model llama8b-random --device cuda --caches $c \\
-            --out benchmarks/results/agent_sessions_llama8b_h200; done
+            --out benchmarks/results; done
 """
 
 from __future__ import annotations
@@ -567,7 +567,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"--device {args.device} needs a CUDA GPU: torch sees none")
     env = _env.named_commit(_env.environment(args.threads))  # a GPU machine's copy of the tree names its commit
-    label = f"agent_sessions_{args.model}" + ("_quick" if args.quick else "")
+    label = f"agent_sessions_{args.model}_{torch.device(args.device).type}" + ("_quick" if args.quick else "")
     out = _run.run_folder(args.out, label.replace("_", "-"), env)
     stem = out / label
     results = _run.Results(stem.with_suffix(".json"), {

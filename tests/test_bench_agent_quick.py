@@ -57,7 +57,7 @@ def test_quick_runs_gather_their_caches_in_one_result(tmp_path):
            "--out", str(tmp_path), "--caches"]
     first = subprocess.run([*cmd, "fp8"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert first.returncode == 0, first.stderr[-3000:]
-    stem = tmp_path / "agent_sessions_tiny-random_quick"
+    stem = tmp_path / "agent_sessions_tiny-random_cpu_quick"
     before = json.loads(stem.with_suffix(".json").read_text())
     assert list(before["runs"]) == ["dynamic", "fp8"]  # the reference runs first
     second = subprocess.run([*cmd, "tq4"], capture_output=True, text=True, timeout=300, cwd=ROOT)
