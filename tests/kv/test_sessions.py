@@ -258,6 +258,37 @@ def test_calls_from_threads_are_served_one_at_a_time(llama):
     assert threaded == sequential and store.stats()["turns"] == 9
 
 
+def test_an_interrupted_turn_leaves_the_history_and_drops_the_cache(llama, monkeypatch):
+    store = store_with(llama, dynamic(llama), 10**9, ["a"])
+    store.turn("a", ids(8, 1), max_new_tokens=3)
+    history = store.history("a")
+    forward, calls = store._forward, []
+
+    def failing(cache, x):  # the third forward pass of the turn fails, after the cache took the new tokens
+        calls.append(x.shape[1])
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return forward(cache, x)
+
+    monkeypatch.setattr(store, "_forward", failing)
+    with pytest.raises(KeyboardInterrupt):
+        store.turn("a", ids(5, 2), max_new_tokens=4)
+    assert store.history("a") == history and store.state("a") == "evicted" and store.resident_bytes == 0
+    with pytest.raises(KeyboardInterrupt):
+        calls.clear()
+        store.extend("a", ids(5, 2))  # not resident: nothing runs, the tokens join the history
+        store.turn("a", [1], max_new_tokens=4)
+    assert store.history("a") == history + ids(5, 2) and store.state("a") == "evicted"
+    monkeypatch.setattr(store, "_forward", forward)
+    r = store.turn("a", [1], max_new_tokens=2)
+    assert r.status == "miss" and r.prefill_tokens == len(history) + 5 + 1
+    history = store.history("a")
+    monkeypatch.setattr(store, "_forward", lambda cache, x: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        store.extend("a", ids(4, 3))  # resident: the prefill fails
+    assert store.history("a") == history and store.state("a") == "evicted"
+
+
 def test_bad_input_gets_clear_errors(llama):
     store = store_with(llama, dynamic(llama), 10**9, ["a"])
     with pytest.raises(ValueError, match="unknown session_id 'zz'"):

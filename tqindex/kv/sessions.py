@@ -38,6 +38,9 @@ copies of its leaves at their exact size, one copy of the cache.
 Timing. ``ttft_s`` runs from the call to the first answer token on the host: restore, evictions made for
 room (with their transfers), re-prefill, prefill. ``decode_s`` covers the one-token steps after it.
 
+An exception inside a turn or an extend (an interrupt, an out-of-memory error) leaves the session's history as
+it was and drops its cache, which may hold part of the turn: its next turn re-prefills.
+
 Threads: every public method holds one lock, so calls from several threads are served one at a time (the
 model runs one forward pass at a time); a turn blocks other calls until it ends.
 """
@@ -311,24 +314,28 @@ class SessionStore:
             t0 = time.perf_counter()
             transfer, status = 0.0, {RESIDENT: "hit", OFFLOADED: "restored"}.get(s.state, "miss" if before else "new")
             growth = before + len(new) + n_answer - 1 - s.cached  # tokens this turn adds to the cache
-            if s.state == OFFLOADED:
-                del self._offloaded[session_id]  # leaves the host: never dropped to make room for itself
-                transfer += self._make_room(session_id, s.bytes, growth, evicted)
-                transfer += self._restore(session_id)
-            else:
-                transfer += self._make_room(session_id, 0, growth, evicted)
-                if s.state == EVICTED:
-                    self._new_cache(session_id)
-            prefill = s.history[s.cached:] + new
-            logits = self._prefill(s.cache, prefill)
-            first = int(logits.argmax())
-            ttft = time.perf_counter() - t0
-            first_logits = logits.float().cpu()
+            try:
+                if s.state == OFFLOADED:
+                    del self._offloaded[session_id]  # leaves the host: never dropped to make room for itself
+                    transfer += self._make_room(session_id, s.bytes, growth, evicted)
+                    transfer += self._restore(session_id)
+                else:
+                    transfer += self._make_room(session_id, 0, growth, evicted)
+                    if s.state == EVICTED:
+                        self._new_cache(session_id)
+                prefill = s.history[s.cached:] + new
+                logits = self._prefill(s.cache, prefill)
+                first = int(logits.argmax())
+                ttft = time.perf_counter() - t0
+                first_logits = logits.float().cpu()
 
-            t1 = time.perf_counter()
-            answer, predicted = self._answer(s.cache, first, forced, n_answer, eos)
-            _sync(self.device)
-            decode_s = time.perf_counter() - t1
+                t1 = time.perf_counter()
+                answer, predicted = self._answer(s.cache, first, forced, n_answer, eos)
+                _sync(self.device)
+                decode_s = time.perf_counter() - t1
+            except BaseException:  # the cache may hold part of this turn: drop it, the history is as it was
+                self._forget(session_id)
+                raise
 
             s.history += new + answer
             s.cached = len(s.history) - 1  # the last answer token enters with the next prefill
@@ -370,9 +377,14 @@ class SessionStore:
             tokens = s.history[s.cached:]
             _sync(self.device)
             t0 = time.perf_counter()
-            self._make_room(session_id, 0, len(tokens), evicted)
-            self._prefill(s.cache, tokens)
-            _sync(self.device)
+            try:
+                self._make_room(session_id, 0, len(tokens), evicted)
+                self._prefill(s.cache, tokens)
+                _sync(self.device)
+            except BaseException:  # the cache may hold part of the tokens: drop it, the history is as it was
+                del s.history[before:]
+                self._forget(session_id)
+                raise
             seconds = time.perf_counter() - t0
             s.cached = len(s.history)
             try:
