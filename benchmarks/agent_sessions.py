@@ -172,8 +172,8 @@ class Tokens:
         return (self.pool[start:] + self.pool)[:n]
 
     def segment(self, role: str, n: int, *key: int) -> list[int]:
-        """n tokens: a ``role`` message (a user message ends with the assistant header), or the end of an
-        answer (role "answer": text, then the end marker)."""
+        """A ``role`` message of n tokens (more when n is below the markers' length; a user message ends with
+        the assistant header), or the n last tokens of an answer (role "answer": text, then the end marker)."""
         rng = self._rng(*key)
         if not self.chat:
             return self._text(rng, n)

@@ -76,7 +76,8 @@ def test_quick_runs_gather_their_caches_in_one_result(tmp_path):
         assert all(r["status"] == "new" for r in rows if r["round"] == 1)
         assert run["summary"]["late"]["ttft_p50_s"] > 0
     runs = data["runs"]
-    contexts = {name: [(r["session"], r["round"], r["context_tokens"]) for r in run["rows"]] for name, run in runs.items()}
+    contexts = {name: [(r["session"], r["round"], r["context_tokens"]) for r in run["rows"]]
+                for name, run in runs.items()}
     assert all(c == contexts["dynamic"] for c in contexts.values())  # every cache serves the same histories
     assert runs["fp8"]["summary"]["bytes_per_token"] < runs["dynamic"]["summary"]["bytes_per_token"] / 3
     assert runs["dynamic"]["summary"]["all"]["hit_rate"] < runs["fp8"]["summary"]["all"]["hit_rate"] == 1.0

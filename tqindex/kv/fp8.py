@@ -234,7 +234,9 @@ class FP8Cache(DynamicCache):
             raise ValueError(f"ddp_cache_data has {len(entries)} layers, the config {len(self.layers)}")
         for i, (layer, entry) in enumerate(zip(self.layers, entries)):
             if len(entry) not in (2, 3):
-                raise ValueError(f"ddp_cache_data[{i}] must be (keys, values[, sliding window]), got {len(entry)} items")
+                raise ValueError(
+                    f"ddp_cache_data[{i}] must be (keys, values[, sliding window]), got {len(entry)} items"
+                )
             if entry[0] is not None and entry[1] is not None:
                 layer.update(entry[0], entry[1])
 

@@ -184,7 +184,9 @@ class SessionStore:
         prefill_attention: str | None = None,
     ) -> None:
         if not callable(cache_factory):
-            raise TypeError(f"cache_factory must be a callable returning a new cache, got {type(cache_factory).__name__}")
+            raise TypeError(
+                f"cache_factory must be a callable returning a new cache, got {type(cache_factory).__name__}"
+            )
         self.model = model
         self.cache_factory = cache_factory
         self.budget_bytes = check_int(budget_bytes, "budget_bytes", 1)
