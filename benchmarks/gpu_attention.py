@@ -43,6 +43,7 @@ from _gpu import bench, roofline  # noqa: E402
 import tqindex as tq  # noqa: E402
 from tqindex.kv import TQCache  # noqa: E402
 from tqindex.kv.attention import compressed_attention, dense_attention  # noqa: E402
+from tqindex.kv.sessions import allocated_bytes  # noqa: E402
 from tqindex.kv.store import CompressedTokens  # noqa: E402
 
 HEADS = ((32, 8, 128), (9, 3, 64))
@@ -138,7 +139,13 @@ def make_cache(kind: str, model: Any) -> Any:
         model.set_attn_implementation("sdpa")
         return DynamicCache(config=model.config)
     model.set_attn_implementation("tqindex")
-    return TQCache.preset(model.config, kind, residual_length=128, protected_layers=2)
+    return TQCache(model.config, *PRESETS[kind], residual_length=128, protected_layers=2)
+
+
+def held_bytes(cache: Any) -> int:
+    """Bytes of the tokens a cache holds: TQCache's own count (codes, window, dense layers), else the
+    storages behind its tensors (DynamicCache grows exactly, so the two agree there)."""
+    return cache.nbytes() if hasattr(cache, "nbytes") else allocated_bytes(cache)
 
 
 def cache_kw(model: Any) -> str:
@@ -212,10 +219,10 @@ def e2e_rows(results: _run.Results, device: torch.device, args: argparse.Namespa
                 results.save()
                 del cache
                 continue
-            nbytes = cache.nbytes()
+            nbytes = held_bytes(cache)
             row = {"context": context, "batch": batch, "step_ms": step, "tokens_per_s": batch / step * 1e3,
                    "peak_GiB": torch.cuda.max_memory_allocated() / GiB, "cache_GiB": nbytes / GiB,
-                   "prefill": prefill, "prefill_s": prefill_s}
+                   "allocated_GiB": allocated_bytes(cache) / GiB, "prefill": prefill, "prefill_s": prefill_s}
             results.data["e2e"][key] = row
             results.save()
             per_token[kind] = nbytes / (batch * context)
@@ -236,12 +243,13 @@ def e2e_rows(results: _run.Results, device: torch.device, args: argparse.Namespa
             fill(model, cache, batch, context, False, device)
             step = decode_ms(model, cache, batch, device)
             row = {"tokens_held": tokens, "batch": batch, "context": context, "step_ms": step,
-                   "tokens_per_s": batch / step * 1e3, "cache_GiB": cache.nbytes() / GiB}
+                   "tokens_per_s": batch / step * 1e3, "cache_GiB": held_bytes(cache) / GiB}
         except torch.OutOfMemoryError:
             row = {"tokens_held": tokens, "batch": batch, "context": context, "oom": True}
         results.data["budget"][key] = row
         results.save()
-        print(f"{key}: {tokens} tokens, batch {batch} x {context}: {row.get('tokens_per_s', 0):.0f} tokens/s", flush=True)
+        print(f"{key}: {tokens} tokens, batch {batch} x {context}: {row.get('tokens_per_s', 0):.0f} tokens/s",
+              flush=True)
         del cache
 
 
@@ -264,7 +272,8 @@ def markdown(data: dict) -> str:
         lines.append(f"| {key} | {row['sdpa_ms']:.3f} ({row['sdpa_TBps']:.2f}) | " + " | ".join(cells)
                      + f" | {row['tq4']['dequantize_sdpa_ms']:.3f} |")
     lines += ["", "## End to end: Llama-8B shape, one decode step", "",
-              "| cache, context, batch | step ms | tokens/s | peak GiB | cache GiB | filled by |", "|---|--:|--:|--:|--:|---|"]
+              "| cache, context, batch | step ms | tokens/s | peak GiB | cache GiB | filled by |",
+              "|---|--:|--:|--:|--:|---|"]
     for key, r in data["e2e"].items():
         if r.get("oom"):
             lines.append(f"| {key} | out of memory | | | | |")

@@ -54,7 +54,7 @@ def encoder_key(encoder: Encoder) -> str:
         _KEYS[encoder] = key
         _ENCODERS.setdefault(key, encoder)
         if key not in _LAYOUTS:
-            template = encoder.encode_valid(torch.zeros(1, encoder.dim))
+            template = encoder.encode_valid(torch.zeros(1, encoder.dim), "torch")  # any backend: one layout
             _LAYOUTS[key] = tuple((name, tuple(t.shape[1:]), t.dtype) for name, t in template.planes())
     return key
 
