@@ -34,6 +34,10 @@ PPL_TOPICS = ("execmodel", "import", "objects", "customization", "attribute-acce
               "sequence-types", "numeric-types")
 FILLER_TOPICS = ("assignment", "comparisons", "calls", "function", "class", "try", "with",
                  "raise", "async", "binary", "identifiers")
+SECOND_TOPICS = ("types", "formatstrings")
+"""The second perplexity text, disjoint from :data:`PPL_TOPICS` and :data:`FILLER_TOPICS`."""
+CALIBRATION_TOPICS = ("debugger", "typesmapping")
+"""Calibration text of per-layer policies, disjoint from every text a cache is judged on."""
 
 
 def cache_root() -> Path:
@@ -122,6 +126,16 @@ def _topics(names: tuple[str, ...]) -> str:
 def reference_text() -> str:
     """Perplexity text: sections :data:`PPL_TOPICS` of the Python Language Reference (~10k tokens)."""
     return _topics(PPL_TOPICS)
+
+
+def second_text() -> str:
+    """The second perplexity text: sections :data:`SECOND_TOPICS`."""
+    return _topics(SECOND_TOPICS)
+
+
+def calibration_text() -> str:
+    """Calibration text: sections :data:`CALIBRATION_TOPICS`."""
+    return _topics(CALIBRATION_TOPICS)
 
 
 def filler_text() -> str:

@@ -99,7 +99,7 @@ QUICK_BUDGET = {"llama8b-random": "2GB", "smollm2": "16MB", "tiny-random": "600K
 QUICK_CACHES = ("dynamic", "fp8", "tq4")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
-STREAM_PREFILL, STREAM_CHUNK = 512, 64  # kv_quality.py's committed protocol
+STREAM_PREFILL, STREAM_CHUNK = 512, 64  # kv_quality.py --prefill 512 --chunk 64
 
 
 # ------------------------------------------------------------------------------ workload
@@ -308,7 +308,7 @@ def run_cache(name: str, model: Any, tokens: Tokens, workload: tuple, args: argp
 
 
 def stream_agreement(model: Any, ids: torch.Tensor, factory: Callable[[], Any]) -> list[int]:
-    """kv_quality.py's streamed protocol: ids [1, T] fed as a STREAM_PREFILL-token prefill, then chunks of
+    """kv_quality.py's chunked protocol (--prefill 512 --chunk 64): ids [1, T] fed as a STREAM_PREFILL-token prefill, then chunks of
     STREAM_CHUNK, through a new cache (under the model's attention: the chunks attend from the codes). ->
     greedy next-token predictions for positions STREAM_PREFILL-1 .. T-2."""
     cache = factory()

@@ -1,35 +1,41 @@
-"""KV-cache quality on a real causal LM: streamed perplexity, needle retrieval and bytes per token.
+"""KV-cache quality on a real causal LM under token-by-token decoding: perplexity, needle, bytes per token.
 
 Model: SmolLM2-135M-Instruct (30 layers, 3 KV heads, head_dim 64, float32 weights), see ``_lm.py``.
-Every configuration is one transformers ``Cache``; the model and the token stream are the same for all.
+Every configuration is one transformers ``Cache``; the model and the token streams are the same for all.
 
-- **Streamed perplexity**: the first ``--prefill`` tokens of the text go in one forward pass, the rest
-  in chunks of ``--chunk`` tokens through the cache (``model(input_ids=chunk, cache=cache)``), so every
-  scored prediction attends to the cache's (compressed) history; the ``--tokens - --prefill`` tokens
-  after the prefill are scored. Reported: PPL and its relative increase over ``DynamicCache``.
+- **Perplexity under real decoding**, on two held-apart texts (disjoint sections of the Python Language
+  Reference, :data:`_lm.PPL_TOPICS` and :data:`_lm.SECOND_TOPICS`): the first ``--prefill`` tokens go in one
+  forward pass, the rest one token at a time (``--chunk 1``, the default) through the cache, so every
+  scored token attends to the cache's stored history exactly as in generation, every configuration at
+  the window it declares (``--chunk 64`` scores in chunks instead, labelled in the report: a chunk
+  attends to itself in full precision). Reported: PPL and its relative increase over ``DynamicCache``.
 - **Needle**: a passcode sentence placed early in ``--needle-tokens`` tokens of other text, asked for
-  at the end through the chat template. The prompt is fed as above (prefill, then chunks), so the
-  question attends to the compressed needle; the greedy answer (up to 24 tokens) must contain it.
-  ``needle_code_prob`` is a continuous companion: the probability of the passcode's digits after the
-  prompt and the answer prefix "The secret passcode is" (teacher-forced, on a copy of the cache).
-- **Memory**: bytes the cache holds at the end of the perplexity run, over all layers, per token, and
-  the ratio to a bfloat16 ``DynamicCache`` of the same tokens; ``compressed_layer_ratio`` is the same
-  ratio for the compressed storage alone (codes and their scales/norms; no window, no protected layer).
-  The model runs in float32, so full-precision windows and protected layers hold 4 bytes per element.
+  at the end through the chat template; the prompt is prefilled up to its last ``--needle-streamed`` tokens,
+  which are fed one by one, then the answer is decoded greedily (up to 24 tokens) and must contain the
+  code. ``needle_code_prob``: the probability of the passcode's digits after the answer prefix "The
+  secret passcode is" (teacher-forced, on a copy of the cache).
+- **Memory**, on the same row: bytes the cache holds at the end of the first text (codes, scales,
+  windows, key offsets, full-precision layers; the model runs in float32, so windows and full-precision
+  layers hold 4 bytes per element), per token, as bits per key/value element, and against a bfloat16
+  ``DynamicCache`` and the ``fp8`` row.
 
 Configurations: ``dynamic`` (float32 ``DynamicCache``, the reference); transformers' ``QuantizedCache``
-with the ``fp8`` backend (E4M3, one scale per tensor frozen at the prefill) and the ``quanto``
-backend (int4 / int2, groups of 64 along head_dim, residual window 128); tqindex ``TQCache`` presets
-tq2 / tq3 / tq4 (TurboQuant keys and values at 2 / 3 / 4 bits), k8v4, k3v4 (8- or 3-bit keys, 4-bit
-values) and fp4 (FP4-UE8M0), named ``{preset}-r{residual_length}-p{protected_layers}``; tqindex runs
-use the ``"tqindex"`` attention implementation (attention computed from the codes).
+with the ``fp8`` backend (E4M3, one scale per tensor frozen at the prefill) and the ``quanto`` backend
+(int4 / int2, groups of 64 along head_dim, residual window N: ``quanto-int4-rN``); ``fp8-tq``, tqindex's
+``FP8Cache`` (E4M3, one scale per token and head); tqindex ``TQCache`` presets tq2 / tq3 / tq4 (TurboQuant
+keys and values at 2 / 3 / 4 bits), k8v4, k3v4 (8- or 3-bit keys, 4-bit values) and fp4 (FP4-UE8M0),
+named ``{preset}-r{residual_length}-p{protected_layers}``, keys centered (``center_keys``) unless the name
+ends in ``-nc``; ``policy-b{bits}``: a per-layer policy chosen by :func:`tqindex.kv.calibrate` for an
+average of at most ``bits`` bits per element at ``--tokens`` tokens of context, calibrated on a third
+text (:data:`_lm.CALIBRATION_TOPICS`, disjoint from both). tqindex runs use the ``"tqindex"`` attention
+implementation (attention computed from the codes).
 
 Usage::
 
-    python benchmarks/kv_quality.py --quick          # smoke run, ~30 s once the model is cached
-    python benchmarks/kv_quality.py                  # full run (~20 min on 2 CPU cores), writes
+    python benchmarks/kv_quality.py --quick          # smoke run, ~1 min once the model is cached
+    python benchmarks/kv_quality.py                  # full run (about an hour on 2 CPU cores), writes
                                                      # benchmarks/results/kv_quality_smollm2_cpu.{json,md}
-    python benchmarks/kv_quality.py --configs dynamic tq4-r128-p2 k3v4-r0-p2 --out /tmp/x
+    python benchmarks/kv_quality.py --configs dynamic tq4-r0-p0 policy-b3.25 --out /tmp/x
 """
 
 from __future__ import annotations
@@ -63,18 +69,16 @@ ANSWER_PREFIX = "The secret passcode is"
 NEEDLE_MAX_NEW_TOKENS = 24  # the tokenizer splits numbers into single digits
 
 TQ_PRESETS = ("tq2", "tq3", "tq4", "k8v4", "k3v4", "fp4")
-# Targets: relative PPL increase (percent) by preset; the 2-bit one only with a residual window.
-PPL_TARGET_PCT = {"tq4": 1.0, "k8v4": 1.0, "fp4": 1.0, "tq3": 4.0, "k3v4": 4.0, "tq2": 25.0}
-RATIO_TARGET = 3.7  # compressed layers vs bfloat16, for presets of at most ~4 bits per element
-NEEDLE_REQUIRED = ("tq4", "k8v4", "fp4", "tq3", "k3v4")  # every 3- and 4-bit configuration
-
+NEEDLE_BITS = 2.75  # the needle must be found by every configuration of at least this many bits per element
 DEFAULT_CONFIGS = (
-    "dynamic", "fp8", "quanto-int4-r128", "quanto-int2-r128",
-    *(f"{p}-r128-p2" for p in TQ_PRESETS),
-    *(f"{p}-r0-p0" for p in TQ_PRESETS),
-    "tq2-r128-p0", "tq2-r0-p2",
+    "dynamic", "fp8", "quanto-int4-r128",
+    "tq4-r0-p0", "tq4-r0-p0-nc", "tq4-r128-p0", "tq3-r0-p0", "tq2-r0-p0",
+    "policy-b3.25", "policy-b2.5",
 )
 QUICK_CONFIGS = ("dynamic", "tq4-r128-p2")
+CALIBRATION: dict[str, Any] = {}
+"""``sensitivity`` (measured once per run by :func:`main`) and ``context_tokens``: what ``policy-b*``
+configurations are chosen from."""
 
 
 # ------------------------------------------------------------------------------ configurations
@@ -91,6 +95,7 @@ class CacheSpec:
     preset: str | None = None
     residual_length: int | None = None
     protected_layers: int | None = None
+    budget_bits: float | None = None
 
 
 def cache_spec(name: str) -> CacheSpec:
@@ -101,6 +106,8 @@ def cache_spec(name: str) -> CacheSpec:
     """
     from transformers import DynamicCache, QuantizedCache
 
+    from tqindex.kv import FP8Cache, policy_for_budget
+
     if name == "dynamic":
         return CacheSpec(name, "reference", "DynamicCache, float32 (full precision)",
                          lambda cfg: DynamicCache(config=cfg))
@@ -108,6 +115,23 @@ def cache_spec(name: str) -> CacheSpec:
         return CacheSpec(name, "transformers",
                          "QuantizedCache fp8: E4M3, one scale per tensor frozen at the prefill",
                          lambda cfg: QuantizedCache("fp8", cfg))
+    if name == "fp8-tq":
+        return CacheSpec(name, "tqindex", "tqindex FP8Cache: E4M3, one scale per token and head",
+                         lambda cfg: FP8Cache(cfg))
+    if name.startswith("policy-b"):
+        try:
+            bits = float(name.removeprefix("policy-b"))
+        except ValueError:
+            raise ValueError(f"policy configuration must look like 'policy-b3.25', got {name!r}") from None
+
+        def make_policy(cfg: Any) -> Any:
+            if not CALIBRATION:
+                raise RuntimeError("policy configurations need the sensitivity measured by main()")
+            return TQCache(cfg, policy=policy_for_budget(CALIBRATION["sensitivity"], bits,
+                                                         context_tokens=CALIBRATION["context_tokens"]))
+
+        return CacheSpec(name, "tqindex", f"TQCache with a per-layer policy calibrated for <= {bits:g} bits "
+                         "per element", make_policy, "tqindex", budget_bits=bits)
     if name.startswith("quanto-int"):
         try:
             bits_s, res_s = name.removeprefix("quanto-int").split("-r")
@@ -118,7 +142,8 @@ def cache_spec(name: str) -> CacheSpec:
                          f"QuantizedCache quanto int{bits}, groups of 64, residual {res}",
                          lambda cfg: QuantizedCache("quanto", cfg, nbits=bits, residual_length=res),
                          residual_length=res)
-    parts = name.split("-")
+    center = not name.endswith("-nc")
+    parts = name.removesuffix("-nc").split("-")
     if (len(parts) == 3 and parts[0] in TQ_PRESETS and parts[1][:1] == "r" and parts[2][:1] == "p"
             and parts[1][1:].isdigit() and parts[2][1:].isdigit()):
         preset, res, prot = parts[0], int(parts[1][1:]), int(parts[2][1:])
@@ -126,15 +151,17 @@ def cache_spec(name: str) -> CacheSpec:
         def make(cfg: Any) -> Any:
             if preset.startswith("tq"):
                 return TQCache(cfg, key_encoder=preset, value_encoder=preset,
-                               residual_length=res, protected_layers=prot)
-            return TQCache.preset(cfg, preset, residual_length=res, protected_layers=prot)
+                               residual_length=res, protected_layers=prot, center_keys=center)
+            return TQCache.preset(cfg, preset, residual_length=res, protected_layers=prot, center_keys=center)
 
         kv = {"tq2": "tq2 keys + values", "tq3": "tq3 keys + values", "tq4": "tq4 keys + values",
               "k8v4": "tq8 keys, tq4 values", "k3v4": "tq3 keys, tq4 values",
               "fp4": "FP4-UE8M0 keys + values"}[preset]
-        return CacheSpec(name, "tqindex", f"TQCache {kv}, residual {res}, {prot}+{prot} protected layers",
+        keys = "centered keys" if center else "keys not centered"
+        return CacheSpec(name, "tqindex", f"TQCache {kv}, residual {res}, {prot}+{prot} protected layers, {keys}",
                          make, "tqindex", preset, res, prot)
-    known = "dynamic, fp8, quanto-int{2,4}-r{N}, {" + ",".join(TQ_PRESETS) + "}-r{N}-p{N}"
+    known = ("dynamic, fp8, fp8-tq, quanto-int{2,4}-r{N}, {" + ",".join(TQ_PRESETS) + "}-r{N}-p{N}[-nc], "
+             "policy-b{bits}")
     raise ValueError(f"unknown configuration {name!r}; known forms: {known}")
 
 
@@ -214,7 +241,8 @@ def needle_answer(model: Any, tokenizer: Any, ids: torch.Tensor, cache: Any, pre
     """
     _, logits = forward_stream(model, ids, cache, min(prefill, ids.shape[1] - 1), chunk, desc)
     forced = tokenizer(f"{ANSWER_PREFIX} {NEEDLE_CODE}", add_special_tokens=False, return_tensors="pt").input_ids
-    n_code = forced.shape[1] - tokenizer(ANSWER_PREFIX, add_special_tokens=False, return_tensors="pt").input_ids.shape[1]
+    prefix = tokenizer(ANSWER_PREFIX, add_special_tokens=False, return_tensors="pt").input_ids
+    n_code = forced.shape[1] - prefix.shape[1]
     scored = model(input_ids=forced, cache=fork_cache(cache), use_cache=True).logits  # [1, n, vocab]
     pred = torch.cat([logits[None, None], scored[:, :-1]], dim=1)[0, -n_code:]  # [n_code, vocab]
     code_logp = torch.log_softmax(pred.float(), dim=-1).gather(-1, forced[0, -n_code:, None]).sum().item()
@@ -256,10 +284,11 @@ def cache_memory(cache: Any, model_config: Any) -> dict[str, Any]:
     held = dense = comp_bytes = comp_tokens = comp_layers = 0
     tokens = cache.get_seq_length()
     for layer in cache.layers:
-        if isinstance(layer, TQLayer):
+        if hasattr(layer, "nbytes"):  # tqindex's layers (TQLayer, FP8Layer) count their own bytes
             held += layer.nbytes()
             dense += layer.nbytes_dense()
-            codes, n = layer.nbytes_compressed()
+            codes, n = (layer.nbytes_compressed() if isinstance(layer, TQLayer)
+                        else (layer.nbytes(), layer.get_seq_length()))
             if n:
                 comp_bytes += codes
                 comp_tokens += n
@@ -284,45 +313,31 @@ def cache_memory(cache: Any, model_config: Any) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------ rows and report
 
-def targets(spec: CacheSpec, ppl_pct: float, ratio: float | None, found: bool | None) -> dict[str, Any]:
-    """The project's quality targets that apply to ``spec`` and whether each is met."""
-    out: dict[str, Any] = {}
-    if spec.family != "tqindex":
-        return out
-    limit = PPL_TARGET_PCT[spec.preset]
-    if spec.preset != "tq2" or spec.residual_length:
-        out["ppl_increase_max_pct"] = limit
-        out["ppl_met"] = ppl_pct <= limit
-    if spec.preset != "k8v4" and ratio is not None:
-        out["compressed_ratio_min"] = RATIO_TARGET
-        out["ratio_met"] = ratio >= RATIO_TARGET
-    if spec.preset in NEEDLE_REQUIRED and found is not None:
-        out["needle_met"] = found
-    return out
-
-
-def run_config(spec: CacheSpec, model: Any, tokenizer: Any, ids: torch.Tensor,
+def run_config(spec: CacheSpec, model: Any, tokenizer: Any, texts: dict[str, torch.Tensor],
                needle_ids: torch.Tensor | None, args: argparse.Namespace) -> dict[str, Any]:
-    """Perplexity, memory and needle for one configuration -> a result row (without the ratios to
-    the reference)."""
+    """Perplexity on every text, memory (after the first text) and needle for one configuration -> a result
+    row (without the comparisons to other rows)."""
     model.set_attn_implementation(spec.attn_implementation)
     t0 = time.perf_counter()
-    cache = spec.make(model.config)
-    with torch.inference_mode():
-        ppl, scored = perplexity(model, ids, cache, args.prefill, args.chunk, f"{spec.name} ppl")
-    ppl_s = time.perf_counter() - t0
-    mem = cache_memory(cache, model.config)
-    del cache
+    ppl, mem = {}, None
+    for label, ids in texts.items():
+        cache = spec.make(model.config)
+        with torch.inference_mode():
+            ppl[label], scored = perplexity(model, ids, cache, args.prefill, args.chunk, f"{spec.name} {label}")
+        mem = mem or cache_memory(cache, model.config)
+        del cache
+    cfg = model.config
+    elements = mem["tokens"] * cfg.num_hidden_layers * cfg.num_key_value_heads * 2 * (
+        getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
     row: dict[str, Any] = {
         "config": spec.name, "family": spec.family, "description": spec.description,
         "preset": spec.preset, "residual_length": spec.residual_length,
-        "protected_layers": spec.protected_layers, "attn_implementation": spec.attn_implementation,
-        "ppl": ppl, "scored_tokens": scored, "ppl_time_s": round(ppl_s, 2),
-        "bytes_per_token": mem["bytes"] / mem["tokens"],
+        "protected_layers": spec.protected_layers, "budget_bits": spec.budget_bits,
+        "attn_implementation": spec.attn_implementation, "ppl": ppl, "scored_tokens": scored,
+        "ppl_time_s": round(time.perf_counter() - t0, 2),
+        "bytes_per_token": mem["bytes"] / mem["tokens"], "bits_per_element": 8 * mem["bytes"] / elements,
         "bytes_per_token_bf16": mem["bytes_bf16"] / mem["tokens"],
         "compression_ratio": mem["bytes_bf16"] / mem["bytes"],
-        "compressed_bytes_per_token_layer": (mem["compressed_bytes"] / mem["compressed_tokens"]
-                                             if mem["compressed_tokens"] else None),
         "compressed_layer_ratio": (mem["bf16_bytes_per_token_layer"] * mem["compressed_tokens"]
                                    / mem["compressed_bytes"] if mem["compressed_bytes"] else None),
         "memory": mem,
@@ -331,8 +346,9 @@ def run_config(spec: CacheSpec, model: Any, tokenizer: Any, ids: torch.Tensor,
         t1 = time.perf_counter()
         cache = spec.make(model.config)
         with torch.inference_mode():
-            answer, code_prob = needle_answer(model, tokenizer, needle_ids, cache, args.prefill, args.chunk,
-                                   f"{spec.name} needle")
+            answer, code_prob = needle_answer(model, tokenizer, needle_ids, cache,
+                                              needle_ids.shape[1] - args.needle_streamed, args.chunk,
+                                              f"{spec.name} needle")
         row.update(needle_found=NEEDLE_CODE in answer, needle_answer=answer, needle_code_prob=code_prob,
                    needle_time_s=round(time.perf_counter() - t1, 2))
         del cache
@@ -342,6 +358,40 @@ def run_config(spec: CacheSpec, model: Any, tokenizer: Any, ids: torch.Tensor,
     return row
 
 
+def compare(rows: list[dict[str, Any]]) -> None:
+    """Add to every row its perplexity increase over ``dynamic`` per text (``ppl_increase_pct``), the worst
+    of them (``worst_increase_pct``) and its bytes against the ``fp8`` row's (``bytes_vs_fp8``)."""
+    ref = next(r for r in rows if r["config"] == "dynamic")
+    fp8 = next((r for r in rows if r["config"] == "fp8"), None)
+    for r in rows:
+        r["ppl_increase_pct"] = {t: 100.0 * (p / ref["ppl"][t] - 1.0) for t, p in r["ppl"].items()}
+        r["worst_increase_pct"] = max(r["ppl_increase_pct"].values())
+        r["bytes_vs_fp8"] = r["bytes_per_token"] / fp8["bytes_per_token"] if fp8 else None
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The targets of real decoding (module notes) and which rows meet them."""
+    by = {r["config"]: r for r in rows}
+    fp8, tq4 = by.get("fp8"), by.get("tq4-r0-p0")
+    out: dict[str, Any] = {}
+    if fp8 and tq4:
+        better = all(tq4["ppl_increase_pct"][t] <= fp8["ppl_increase_pct"][t] for t in tq4["ppl"])
+        out["tq4_vs_fp8"] = {"row": "tq4-r0-p0", "ppl_at_most_fp8": better, "bytes_vs_fp8": tq4["bytes_vs_fp8"],
+                             "met": better and tq4["bytes_vs_fp8"] <= 0.5}
+    for key, bits, limit in (("at_3.25_bits", 3.25, 1.0), ("at_2.5_bits", 2.5, 5.0)):
+        fit = [r for r in rows if r["family"] == "tqindex" and r["bits_per_element"] <= bits]
+        best = min(fit, key=lambda r: r["worst_increase_pct"], default=None)
+        out[key] = {"bits": bits, "limit_pct": limit, "best_row": best and best["config"],
+                    "best_worst_increase_pct": best and best["worst_increase_pct"],
+                    "met": best is not None and best["worst_increase_pct"] <= limit}
+    needle = [r for r in rows if r["family"] == "tqindex" and r["bits_per_element"] >= NEEDLE_BITS
+              and r["needle_found"] is not None]
+    out["needle"] = {"checked": [r["config"] for r in needle],
+                     "failed": [r["config"] for r in needle if not r["needle_found"]],
+                     "met": all(r["needle_found"] for r in needle)}
+    return out
+
+
 def _fmt(x: Any, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
@@ -349,77 +399,87 @@ def _fmt(x: Any, spec: str) -> str:
 def markdown(result: dict[str, Any]) -> str:
     """The result as a markdown report: setup, one table row per configuration, targets."""
     env, a = result["env"], result["args"]
+    labels = list(result["texts"])
+    protocol = ("token by token (real decoding)" if a["chunk"] == 1 else
+                f"in chunks of {a['chunk']} tokens (each chunk attends to itself in full precision: not real "
+                "decoding)")
+    needle = result["needle"]
     lines = [
         f"# KV-cache quality: {result['model']['name']} on CPU",
         "",
-        f"Streamed perplexity over {a['tokens']} tokens of {result['text']['source']} "
-        f"(prefill {a['prefill']}, then chunks of {a['chunk']}; {result['rows'][0]['scored_tokens']} "
-        f"scored tokens). Needle: passcode at token {result['needle']['position'] if result['needle'] else '-'} "
-        f"of a {result['needle']['prompt_tokens'] if result['needle'] else '-'}-token chat prompt, "
-        "fed the same way, greedy answer; p(code) = probability of the passcode after the answer prefix "
-        f"{ANSWER_PREFIX!r}. Memory at the end of the perplexity run; ratios vs a bfloat16 "
-        "DynamicCache (the model runs in float32, so full-precision windows and protected layers hold "
-        "4 bytes per element). `comp. ratio` = compressed storage alone (no window, no protected layer).",
+        f"Perplexity over {a['tokens']} tokens of each text ({', '.join(labels)}: "
+        + "; ".join(f"{t}: {', '.join(info['topics'])}" for t, info in result["texts"].items())
+        + f"), the first {a['prefill']} prefilled, the {result['rows'][0]['scored_tokens']} others scored "
+        f"{protocol}. Needle: passcode at token {needle['position'] if needle else '-'} of a "
+        f"{needle['prompt_tokens'] if needle else '-'}-token chat prompt, its last {a['needle_streamed']} tokens "
+        f"fed one by one, greedy answer; p(code) = probability of the passcode after {ANSWER_PREFIX!r}. Bytes "
+        "held at the end of the first text (codes, scales, windows, key offsets, full-precision layers; the "
+        "model runs in float32, so windows and full-precision layers hold 4 bytes per element); bits per "
+        "key/value element; x bf16 = a bfloat16 DynamicCache's bytes over the row's; vs fp8 = the row's bytes "
+        "over the fp8 row's.",
         "",
         f"git {env['git_sha'][:12] if env['git_sha'] else '?'}{' (dirty)' if env['git_dirty'] else ''}, "
         f"torch {env['versions']['torch']}, transformers {env['versions']['transformers']}, "
         f"{env['cpu']} ({env['threads']} thread), total {result['total_time_s']:.0f} s.",
         "",
-        "| config | PPL | ΔPPL % | needle | p(code) | B/token | ratio vs bf16 | comp. B/token/layer | comp. ratio "
-        "| time s | targets |",
-        "|---|---:|---:|:---:|---:|---:|---:|---:|---:|---:|---|",
+        "| config | bits/elem | B/token | x bf16 | vs fp8 | " + " | ".join(f"ΔPPL % {t}" for t in labels)
+        + " | needle | p(code) | time s |",
+        "|---|---:|---:|---:|---:|" + "---:|" * len(labels) + ":---:|---:|---:|",
     ]
     for r in result["rows"]:
-        needle = "-" if r["needle_found"] is None else ("yes" if r["needle_found"] else f"no ({r['needle_answer']!r})")
-        t = r["targets"]
-        marks = []
-        if "ppl_met" in t:
-            marks.append(f"PPL≤{t['ppl_increase_max_pct']:g}% {'✓' if t['ppl_met'] else '✗'}")
-        if "ratio_met" in t:
-            marks.append(f"ratio≥{t['compressed_ratio_min']:g} {'✓' if t['ratio_met'] else '✗'}")
-        if "needle_met" in t:
-            marks.append(f"needle {'✓' if t['needle_met'] else '✗'}")
+        found = "-" if r["needle_found"] is None else ("yes" if r["needle_found"] else f"no ({r['needle_answer']!r})")
         lines.append(
-            f"| {r['config']} | {r['ppl']:.3f} | {r['ppl_increase_pct']:+.2f} | {needle} | {_fmt(r['needle_code_prob'], '.3f')} "
-            f"| {r['bytes_per_token']:.0f} | {r['compression_ratio']:.2f} "
-            f"| {_fmt(r['compressed_bytes_per_token_layer'], '.1f')} | {_fmt(r['compressed_layer_ratio'], '.2f')} "
-            f"| {r['time_s']:.0f} | {', '.join(marks)} |")
+            f"| {r['config']} | {r['bits_per_element']:.2f} | {r['bytes_per_token']:.0f} | "
+            f"{r['compression_ratio']:.2f} | {_fmt(r['bytes_vs_fp8'], '.2f')} | "
+            + " | ".join(f"{r['ppl_increase_pct'][t]:+.2f}" for t in labels)
+            + f" | {found} | {_fmt(r['needle_code_prob'], '.3f')} | {r['time_s']:.0f} |")
     lines += ["", "Configurations:", ""]
     lines += [f"- `{r['config']}`: {r['description']}" for r in result["rows"]]
     s = result["summary"]
-    lines += ["", "Targets:", ""]
-    for key, label in (("ppl", "PPL increase (4-bit <= 1 %, 3-bit <= 4 %, 2-bit with window <= 25 %)"),
-                       ("ratio", f"compressed layers >= {RATIO_TARGET}x smaller than bf16 (<= 4.25-bit presets)"),
-                       ("needle", "needle found by every 3- and 4-bit configuration")):
-        item = s[key]
-        status = "met" if item["met"] else f"not met by {', '.join(item['failed'])}"
-        lines.append(f"- {label}: {status} ({item['checked']} rows checked)")
+    lines += ["", "Targets (every text):", ""]
+    if "tq4_vs_fp8" in s:
+        t = s["tq4_vs_fp8"]
+        lines.append(f"- 4 bits, no window, no full-precision layer (`tq4-r0-p0`): perplexity increase at most "
+                     f"fp8's ({'yes' if t['ppl_at_most_fp8'] else 'no'}) at half its bytes or less "
+                     f"({t['bytes_vs_fp8']:.2f} of them): {'met' if t['met'] else 'not met'}")
+    for key in ("at_3.25_bits", "at_2.5_bits"):
+        t = s[key]
+        best = (f"best `{t['best_row']}`, {t['best_worst_increase_pct']:+.2f} %" if t["best_row"]
+                else "no row that small")
+        lines.append(f"- at most {t['bits']:g} bits per element: increase <= {t['limit_pct']:g} % "
+                     f"({best}): {'met' if t['met'] else 'not met'}")
+    t = s["needle"]
+    lines.append(f"- needle found by every configuration of >= {NEEDLE_BITS:g} bits per element: "
+                 + ("met" if t["met"] else f"not met by {', '.join(t['failed'])}")
+                 + f" ({len(t['checked'])} rows checked)")
+    if result.get("calibration"):
+        c = result["calibration"]
+        lines += ["", f"Policies calibrated on {c['text']['topics']} ({c['tokens']} tokens, "
+                      f"{c['time_s']:.0f} s); layer by layer:", ""]
+        for name, policy in c["policies"].items():
+            lines += [f"`{name}` ({policy['bits']:.2f} bits per element at {c['context_tokens']} tokens):", "",
+                      "```", policy["describe"], "```", ""]
     lines.append("")
     return "\n".join(lines)
-
-
-def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per target: rows checked, rows failing, met."""
-    out = {}
-    for key in ("ppl", "ratio", "needle"):
-        checked = [r for r in rows if f"{key}_met" in r["targets"]]
-        failed = [r["config"] for r in checked if not r["targets"][f"{key}_met"]]
-        out[key] = {"checked": len(checked), "failed": failed, "met": not failed}
-    return out
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--quick", action="store_true",
-                   help="smoke run: 384 tokens, prefill 128, 256-token needle, configs " + " ".join(QUICK_CONFIGS))
+                   help="smoke run: 384 tokens, prefill 320, 256-token needle, configs " + " ".join(QUICK_CONFIGS))
     p.add_argument("--configs", nargs="+", default=None,
                    help="configuration names (default: the full list, see the module docstring)")
-    p.add_argument("--tokens", type=int, default=2048, help="tokens of text (prefill + scored)")
-    p.add_argument("--prefill", type=int, default=512, help="tokens fed at once before streaming")
-    p.add_argument("--chunk", type=int, default=64, help="tokens per streamed forward pass")
+    p.add_argument("--tokens", type=int, default=2048, help="tokens of each text (prefill + scored)")
+    p.add_argument("--prefill", type=int, default=1024, help="tokens fed at once before decoding")
+    p.add_argument("--chunk", type=int, default=1, help="tokens per forward pass after the prefill (1: real "
+                   "decoding)")
     p.add_argument("--needle-tokens", type=int, default=1600, help="filler tokens of the needle prompt (0: skip)")
     p.add_argument("--needle-depth", type=float, default=0.1, help="needle position as a fraction of the filler")
+    p.add_argument("--needle-streamed", type=int, default=64, help="last tokens of the needle prompt fed one "
+                   "by one (in --chunk pieces)")
+    p.add_argument("--calibration-tokens", type=int, default=448, help="tokens of the calibration text "
+                   "(384 prefix + 64 scored)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (1 is much faster than 2 on a loaded 2-core machine)")
     p.add_argument("--out", type=Path, default=None,
@@ -427,7 +487,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "runs; --quick writes nothing unless given)")
     args = p.parse_args(argv)
     if args.quick:
-        args.tokens, args.prefill, args.needle_tokens = 384, 128, 256
+        args.tokens, args.prefill, args.needle_tokens = 384, 320, 256
         args.configs = args.configs or list(QUICK_CONFIGS)
     args.configs = args.configs or list(DEFAULT_CONFIGS)
     if args.out is None and not args.quick:
@@ -438,11 +498,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--chunk must be >= 1, got {args.chunk}")
     if not 0.0 <= args.needle_depth <= 1.0:
         p.error(f"--needle-depth must be in [0, 1], got {args.needle_depth}")
+    if args.needle_streamed < 1:
+        p.error(f"--needle-streamed must be >= 1, got {args.needle_streamed}")
     return args
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the benchmark; print the markdown table; write ``--out``.json/.md if set. -> the result."""
+    from tqindex.kv import measure_sensitivity, policy_for_budget
+
     args = parse_args(argv)
     specs = [cache_spec(name) for name in args.configs]  # fail early on a bad name
     if "dynamic" not in args.configs:
@@ -451,28 +515,43 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     env = environment(args.threads)  # tqindex is imported already: the sources digest is of the code that runs
     model, tokenizer, model_info = _lm.load_model()
-    text = _lm.reference_text()
-    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[:, :args.tokens]
-    if ids.shape[1] < args.tokens:
-        raise ValueError(f"the text has only {ids.shape[1]} tokens, --tokens asks for {args.tokens}")
+    sources = {"A": (_lm.reference_text(), _lm.PPL_TOPICS), "B": (_lm.second_text(), _lm.SECOND_TOPICS)}
+    texts, text_info = {}, {}
+    for label, (text, topics) in sources.items():
+        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[:, :args.tokens]
+        if ids.shape[1] < args.tokens:
+            raise ValueError(f"text {label} has only {ids.shape[1]} tokens, --tokens asks for {args.tokens}")
+        texts[label], text_info[label] = ids, _lm.text_info(text, topics)
     needle_ids, needle = None, None
     if args.needle_tokens > 0:
         needle_ids, position = needle_prompt(tokenizer, _lm.filler_text(), args.needle_tokens, args.needle_depth)
         needle = {"sentence": NEEDLE, "question": QUESTION, "position": position,
                   "prompt_tokens": needle_ids.shape[1], "filler": _lm.text_info(_lm.filler_text(), _lm.FILLER_TOPICS)}
+    calibration = None
+    if any(spec.budget_bits is not None for spec in specs):
+        t1 = time.perf_counter()
+        text = _lm.calibration_text()
+        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[:, :args.calibration_tokens]
+        CALIBRATION.update(sensitivity=measure_sensitivity(model, ids, prefix=ids.shape[1] - 64, scored=64),
+                           context_tokens=args.tokens)
+        policies = {spec.name: policy_for_budget(CALIBRATION["sensitivity"], spec.budget_bits,
+                                                 context_tokens=args.tokens)
+                    for spec in specs if spec.budget_bits is not None}
+        calibration = {"text": _lm.text_info(text, _lm.CALIBRATION_TOPICS), "tokens": ids.shape[1],
+                       "context_tokens": args.tokens, "time_s": time.perf_counter() - t1,
+                       "sensitivity": CALIBRATION["sensitivity"].to_dict(),
+                       "policies": {name: {"bits": p.calibration["bits"], "predicted_kl": p.calibration["predicted_kl"],
+                                           "describe": p.describe(), "policy": p.to_dict()}
+                                    for name, p in policies.items()}}
 
     rows = []
     for spec in tqdm(specs, desc="configs", unit="config", file=sys.stderr):
-        rows.append(run_config(spec, model, tokenizer, ids, needle_ids, args))
-    ref = next(r for r in rows if r["config"] == "dynamic")
-    for r in rows:
-        r["ppl_increase_pct"] = 100.0 * (r["ppl"] / ref["ppl"] - 1.0)
-        r["targets"] = targets(cache_spec(r["config"]), r["ppl_increase_pct"], r["compressed_layer_ratio"],
-                               r["needle_found"])
+        rows.append(run_config(spec, model, tokenizer, texts, needle_ids, args))
+    compare(rows)
     result = {
         "benchmark": "kv_quality", "env": env,
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "model": model_info, "text": _lm.text_info(text, _lm.PPL_TOPICS), "needle": needle,
+        "model": model_info, "texts": text_info, "needle": needle, "calibration": calibration,
         "rows": rows, "summary": summarize(rows), "total_time_s": round(time.perf_counter() - t0, 1),
     }
     report = markdown(result)

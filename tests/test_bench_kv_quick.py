@@ -40,9 +40,11 @@ def test_every_default_configuration_parses():
         assert kv_quality.cache_spec(name).name == name
     spec = kv_quality.cache_spec("k3v4-r0-p2")
     assert (spec.preset, spec.residual_length, spec.protected_layers) == ("k3v4", 0, 2)
+    assert "centered keys" in spec.description and "not centered" in kv_quality.cache_spec("tq4-r0-p0-nc").description
+    assert kv_quality.cache_spec("policy-b2.5").budget_bits == 2.5
 
 
-@pytest.mark.parametrize("name", ["tq5-r0-p0", "tq4-r128", "quanto-int4", "fp16", "tq4-rx-p2"])
+@pytest.mark.parametrize("name", ["tq5-r0-p0", "tq4-r128", "quanto-int4", "fp16", "tq4-rx-p2", "policy-bx"])
 def test_unknown_configuration_is_rejected(name):
     with pytest.raises(ValueError, match="configuration"):
         kv_quality.cache_spec(name)
@@ -97,11 +99,12 @@ def test_quick_run_writes_a_complete_result(tmp_path):
     result = json.loads(out.with_suffix(".json").read_text())
     rows = {r["config"]: r for r in result["rows"]}
     assert set(rows) == set(kv_quality.QUICK_CONFIGS)
-    assert rows["dynamic"]["ppl_increase_pct"] == 0.0
+    assert rows["dynamic"]["ppl_increase_pct"] == {"A": 0.0, "B": 0.0}
     for r in rows.values():
-        assert math.isfinite(r["ppl"]) and 1.0 < r["ppl"] < 1000.0
+        assert all(math.isfinite(p) and 1.0 < p < 1000.0 for p in r["ppl"].values())
         assert r["needle_found"] in (True, False) and 0.0 <= r["needle_code_prob"] <= 1.0
     assert rows["tq4-r128-p2"]["compressed_layer_ratio"] > 3.7
-    assert abs(rows["tq4-r128-p2"]["ppl_increase_pct"]) < 10.0
-    assert result["env"]["versions"]["torch"] and result["text"]["sha256"]
+    assert rows["dynamic"]["bits_per_element"] == 32.0  # float32
+    assert abs(rows["tq4-r128-p2"]["worst_increase_pct"]) < 10.0
+    assert result["env"]["versions"]["torch"] and result["texts"]["A"]["sha256"] != result["texts"]["B"]["sha256"]
     assert "| tq4-r128-p2 |" in out.with_suffix(".md").read_text()

@@ -5,12 +5,15 @@
 this package registers the ``"tqindex"`` attention implementation with it when it is installed, and
 ``TQCache`` as a torch pytree node (for ``torch.export``). ``FP8Cache`` / ``FP8Layer`` (:mod:`tqindex.kv.fp8`,
 transformers too) are the FP8 baseline; ``SessionStore`` (:mod:`tqindex.kv.sessions`) serves many sessions'
-caches of one model under a byte budget.
+caches of one model under a byte budget. ``KVPolicy`` (:mod:`tqindex.kv.policy`) describes a cache layer by
+layer, and ``calibrate`` (:mod:`tqindex.kv.calibrate`, transformers too) chooses one for a model under a
+bit budget.
 """
 
 from typing import Any
 
 from .attention import compressed_attention, compressed_attention_ref, dense_attention
+from .policy import KVPolicy, LayerPolicy
 from .sessions import ExtendResult, SessionStore, TurnResult, allocated_bytes
 from .store import CodesBuffer, CompressedTokens, KVStore
 
@@ -20,18 +23,25 @@ __all__ = [
     "ExtendResult",
     "FP8Cache",
     "FP8Layer",
+    "KVPolicy",
     "KVStore",
+    "LayerPolicy",
+    "Sensitivity",
     "SessionStore",
     "TQCache",
     "TQLayer",
     "TurnResult",
     "allocated_bytes",
+    "calibrate",
     "compressed_attention",
     "compressed_attention_ref",
     "dense_attention",
+    "measure_sensitivity",
+    "policy_for_budget",
 ]
 
 try:  # importing hf registers the "tqindex" attention implementation with transformers
+    from .calibrate import Sensitivity, calibrate, measure_sensitivity, policy_for_budget
     from .fp8 import FP8Cache, FP8Layer
     from .hf import TQCache, TQLayer
 except ImportError as err:  # transformers missing: storage and attention still work
@@ -40,7 +50,8 @@ except ImportError as err:  # transformers missing: storage and attention still 
     _HF_ERROR = err
 
     def __getattr__(name: str) -> Any:
-        if name in ("TQCache", "TQLayer", "FP8Cache", "FP8Layer"):
+        if name in ("TQCache", "TQLayer", "FP8Cache", "FP8Layer", "calibrate", "measure_sensitivity",
+                    "policy_for_budget", "Sensitivity"):
             raise ImportError(
                 f"tqindex.kv.{name} needs transformers >= 5.0: pip install 'tqindex[kv]' ({_HF_ERROR})"
             ) from _HF_ERROR

@@ -24,6 +24,7 @@ transformers 5.0 (the oldest release the ``kv`` extra allows) and the newest 5.x
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterable, Iterator
 from copy import deepcopy
@@ -45,6 +46,7 @@ from ..checks import check_bool, check_int
 from ..encoder import Encoder, encoder_names, make_encoder
 from ..turboquant import MSE_BITS
 from .attention import compressed_attention, compressed_attention_ref, dense_attention
+from .policy import KVPolicy, encoder_for
 from .store import CompressedTokens, KVStore, encoder_from_key, encoder_key
 
 ATTN_IMPLEMENTATION = "tqindex"
@@ -110,11 +112,16 @@ class TQLayer(CacheLayerMixin):
     is_croppable = True
 
     def __init__(
-        self, key_encoder: Encoder, value_encoder: Encoder, residual_length: int, config: PreTrainedConfig | None = None
+        self,
+        key_encoder: Encoder,
+        value_encoder: Encoder,
+        residual_length: int,
+        config: PreTrainedConfig | None = None,
+        center_keys: bool = False,
     ) -> None:
         # CacheLayerMixin.__init__ is not called: it assigns ``keys`` / ``values``, which are read-only here.
         self.is_initialized = False
-        self.store = KVStore(key_encoder, value_encoder, residual_length)
+        self.store = KVStore(key_encoder, value_encoder, residual_length, center_keys)
         self.config = config
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "TQLayer":
@@ -125,12 +132,12 @@ class TQLayer(CacheLayerMixin):
     def keys(self) -> Tensor | None:
         """Keys [B, H, T, Dk] in the dtype of the incoming states, None before the first update. Decoded on
         every access (codes, then the window): O(B·H·T·Dk) time and a dense copy in memory."""
-        return self.store.view()[0].materialize() if self.is_initialized else None
+        return self.store.materialize_keys() if self.is_initialized else None
 
     @property
     def values(self) -> Tensor | None:
         """Values [B, H, T, Dv], decoded on every access as :attr:`keys`."""
-        return self.store.view()[1].materialize() if self.is_initialized else None
+        return self.store.materialize_values() if self.is_initialized else None
 
     @keys.setter
     def keys(self, _: Any) -> None:
@@ -175,7 +182,8 @@ class TQLayer(CacheLayerMixin):
     get_max_cache_shape = get_max_length  # its name in older 5.x releases
 
     def reset(self) -> None:
-        self.store = KVStore(self.store.key_encoder, self.store.value_encoder, self.store.residual_length)
+        store = self.store
+        self.store = KVStore(store.key_encoder, store.value_encoder, store.residual_length, store.center_keys)
         self.is_initialized = False
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -233,7 +241,12 @@ class TQCache(DynamicCache):
     tensor])`` to start from (``DataParallel`` gathers caches this way); offloading,
     offload_only_non_sliding: as for ``DynamicCache``; backend: the kernels of encoding and attention for
     encoders given by name ("torch", "triton", ...; None: ``$TQINDEX_BACKEND``, else auto: the GPU kernels
-    on CUDA, see ``tqindex.kernels``).
+    on CUDA, see ``tqindex.kernels``); center_keys: store each compressed layer's keys relative to the mean
+    key of its first update (per batch row and head; the attention is unchanged, the codes' error about
+    halves: see :mod:`tqindex.kv.store`), except in models whose attention soft-caps its scores;
+    policy: a :class:`~tqindex.kv.policy.KVPolicy` (or its dict, or the path of its JSON file, e.g. from
+    :func:`tqindex.kv.calibrate`) choosing encoders, window and full precision per layer, in place of
+    key_encoder, value_encoder, residual_length, protected_layers and center_keys (needs ``config``).
 
     Where it differs from ``DynamicCache``, deliberately:
 
@@ -265,8 +278,11 @@ class TQCache(DynamicCache):
         offloading: bool = False,
         offload_only_non_sliding: bool = False,
         backend: str | None = None,
+        center_keys: bool = True,
+        policy: KVPolicy | dict | str | os.PathLike | None = None,
     ) -> None:
         self.backend = kernels.check_backend(backend)
+        self.center_keys = check_bool(center_keys, "center_keys")
         if config is not None and not isinstance(config, PreTrainedConfig):
             if isinstance(config, (str, bytes, dict)) or not isinstance(config, Iterable) or ddp_cache_data is not None:
                 raise TypeError(
@@ -280,6 +296,8 @@ class TQCache(DynamicCache):
         self.protected_layers = check_int(protected_layers, "protected_layers", 0)
         check_bool(offloading, "offloading")
         check_bool(offload_only_non_sliding, "offload_only_non_sliding")
+        given = (key_encoder, value_encoder, residual_length, protected_layers, center_keys)
+        self.policy = _policy(policy, config, given)
         super().__init__(config=config, offloading=offloading, offload_only_non_sliding=offload_only_non_sliding)
         self.layer_class_to_replicate = None  # layers are added by update (see _add_layers)
         self.config = config
@@ -289,15 +307,20 @@ class TQCache(DynamicCache):
         if config is not None:
             text_config = config.get_text_config(decoder=True)
             self._text_config = text_config
+            if getattr(text_config, "attn_logit_softcapping", None) is not None:
+                self.center_keys = False  # soft-capped scores change when every key moves by a constant
             protected = _protected(self.layers, self.protected_layers)
             dims = _head_dims(text_config)
-            if min(dims) >= 2:  # encoder objects must fit even when every layer is protected
-                _encoder(key_encoder, dims[0], "key_encoder")
-                _encoder(value_encoder, dims[1], "value_encoder")
-            self.layers = [
-                self._layer(dims) if type(layer) is DynamicLayer and i not in protected else layer
-                for i, layer in enumerate(self.layers)
-            ]
+            if self.policy is not None:
+                self.layers = self._policy_layers(dims)
+            else:
+                if min(dims) >= 2:  # encoder objects must fit even when every layer is protected
+                    _encoder(key_encoder, dims[0], "key_encoder")
+                    _encoder(value_encoder, dims[1], "value_encoder")
+                self.layers = [
+                    self._layer(dims) if type(layer) is DynamicLayer and i not in protected else layer
+                    for i, layer in enumerate(self.layers)
+                ]
             self.num_model_layers = len(self.layers)
         else:
             self._text_config = None
@@ -332,7 +355,23 @@ class TQCache(DynamicCache):
             return DynamicLayer()
         keys = _encoder(self.key_encoder, dims[0], "key_encoder", self.backend)
         values = _encoder(self.value_encoder, dims[1], "value_encoder", self.backend)
-        return TQLayer(keys, values, self.residual_length, self._text_config)
+        return TQLayer(keys, values, self.residual_length, self._text_config, self.center_keys)
+
+    def _policy_layers(self, dims: tuple[int, int]) -> list[CacheLayerMixin]:
+        """The layers :attr:`policy` describes: its entry i for a full-attention layer i (other layer types
+        keep transformers' classes, whatever their entry)."""
+        if len(self.policy.layers) != len(self.layers):
+            raise ValueError(f"the policy has {len(self.policy.layers)} layers, the model's cache {len(self.layers)}")
+        center = self.center_keys and self.policy.center_keys
+        layers = []
+        for layer, entry in zip(self.layers, self.policy.layers):
+            if type(layer) is not DynamicLayer or entry.dense or min(dims) < 2:
+                layers.append(layer)
+                continue
+            keys = encoder_for(entry.key_encoder, dims[0], self.backend)
+            values = encoder_for(entry.value_encoder, dims[1], self.backend)
+            layers.append(TQLayer(keys, values, entry.residual_length, self._text_config, center))
+        return layers
 
     def _add_layers(self, layer_idx: int, key_states: Tensor, value_states: Tensor) -> None:
         """Config-less caches: add layers up to ``layer_idx`` (the first ``protected_layers`` dense), and
@@ -434,6 +473,30 @@ def _head_dims(text_config: PreTrainedConfig) -> tuple[int, int]:
     return keys, getattr(text_config, "v_head_dim", None) or keys
 
 
+def _policy(
+    policy: KVPolicy | dict | str | os.PathLike | None, config: PreTrainedConfig | None, given: tuple[Any, ...]
+) -> KVPolicy | None:
+    """The policy argument of TQCache as a KVPolicy (None stays None), checked against the other arguments
+    ``given`` (key_encoder, value_encoder, residual_length, protected_layers, center_keys: at their defaults)
+    and the config."""
+    if policy is None:
+        return None
+    if isinstance(policy, (str, os.PathLike)):
+        policy = KVPolicy.load(policy)
+    elif isinstance(policy, dict):
+        policy = KVPolicy.from_dict(policy)
+    elif not isinstance(policy, KVPolicy):
+        raise TypeError(f"policy must be a KVPolicy, its dict or the path of its JSON file, got "
+                        f"{type(policy).__name__}")
+    if given != ("tq4", "tq4", 128, 2, True):
+        raise ValueError("pass either a policy or key_encoder / value_encoder / residual_length / protected_layers / "
+                         "center_keys: the policy chooses them per layer")
+    if config is None:
+        raise TypeError("a policy describes the layers of a model: pass its config too, "
+                        "TQCache(model.config, policy=...)")
+    return policy
+
+
 def _check_encoder_spec(spec: Any, name: str) -> None:
     if isinstance(spec, str):
         if spec not in encoder_names():
@@ -507,6 +570,7 @@ class _StoreSpec:
     value_encoder: str
     residual_length: int
     tensors: int
+    center_keys: bool
 
 
 def _flatten_object(obj: Any, path: str, leaves: list[tuple[str, Tensor]]) -> tuple[type, tuple]:
@@ -521,7 +585,7 @@ def _flatten_object(obj: Any, path: str, leaves: list[tuple[str, Tensor]]) -> tu
         elif isinstance(value, KVStore):
             tensors = value.tensors()
             leaves += [(f"{path}{name}.{j}", t) for j, t in enumerate(tensors)]
-            value = _StoreSpec(value._key_id, value._value_id, value.residual_length, len(tensors))
+            value = _StoreSpec(value._key_id, value._value_id, value.residual_length, len(tensors), value.center_keys)
         elif isinstance(value, Encoder):
             value = _EncoderRef(encoder_key(value))
         elif name == "layers":
@@ -542,7 +606,7 @@ def _unflatten_object(context: tuple[type, tuple], leaves: Iterator[Tensor]) -> 
         elif isinstance(value, _StoreSpec):
             tensors = [next(leaves) for _ in range(value.tensors)]
             encoders = encoder_from_key(value.key_encoder), encoder_from_key(value.value_encoder)
-            value = KVStore.from_tensors(*encoders, value.residual_length, tensors)
+            value = KVStore.from_tensors(*encoders, value.residual_length, tensors, value.center_keys)
         elif isinstance(value, _EncoderRef):
             value = encoder_from_key(value.key)
         elif name == "layers":

@@ -6,6 +6,15 @@ full precision in the *window*; on the next :meth:`KVStore.append` the tokens th
 encoded once and appended to a :class:`CodesBuffer`, whose capacity doubles when full (amortized O(1)
 per token, no copy of the history per step). Keys and values have their own encoders.
 
+With ``center_keys``, keys are encoded relative to a per-row, per-head offset: the mean of the keys of
+the first (non-empty) append, usually the prompt. Attention is ``softmax(q · kᵀ + mask)``, and a
+constant subtracted from every key of a head shifts each query's scores by the same amount, so the
+attention over the stored keys is unchanged, while the codes spend their bits on what varies from
+token to token (keys of language models share a large common component). The window keeps the keys as
+given; :meth:`KVStore.view` hands out every key minus the offset (for attention), :meth:`KVStore.materialize`
+the decoded codes plus the offset and the window as held. This holds for softmax attention only: not with
+soft-capped scores or extra sink logits.
+
 Encoding goes through the PyTorch operator ``tqindex::encode_tokens`` (:func:`encode_tokens`), which
 ``torch.compile`` and ``torch.export`` treat as one opaque call: nothing in an append reads the data on
 the host, so a decode step compiles into one graph and never waits for the device. The tokens are
@@ -206,18 +215,25 @@ class KVStore:
 
     ``residual_length``: tokens of previous steps kept in full precision (the current step's chunk is
     always in full precision too). ``append`` first encodes the window tokens beyond that into the
-    buffers, then adds the new chunk to the window.
+    buffers, then adds the new chunk to the window. ``center_keys``: store keys minus
+    :attr:`key_offset` (see the module docstring).
     """
 
-    def __init__(self, key_encoder: Encoder, value_encoder: Encoder, residual_length: int) -> None:
+    def __init__(
+        self, key_encoder: Encoder, value_encoder: Encoder, residual_length: int, center_keys: bool = False
+    ) -> None:
         for name, enc in (("key_encoder", key_encoder), ("value_encoder", value_encoder)):
             if not isinstance(enc, Encoder):
                 raise TypeError(f"{name} must be a tqindex Encoder, got {type(enc).__name__}")
         if not isinstance(residual_length, int) or isinstance(residual_length, bool) or residual_length < 0:
             raise ValueError(f"residual_length must be an integer >= 0, got {residual_length!r}")
+        if not isinstance(center_keys, bool):
+            raise TypeError(f"center_keys must be a bool, got {type(center_keys).__name__}")
         self.key_encoder = key_encoder
         self.value_encoder = value_encoder
         self.residual_length = residual_length
+        self.center_keys = center_keys
+        self.key_offset: Tensor | None = None  # [B, H, 1, Dk] float32, set by the first non-empty append
         self.keys: CodesBuffer | None = None
         self.values: CodesBuffer | None = None
         self._key_window: Tensor | None = None  # [B, H, W, Dk]
@@ -236,21 +252,28 @@ class KVStore:
 
     @classmethod
     def from_tensors(
-        cls, key_encoder: Encoder, value_encoder: Encoder, residual_length: int, tensors: list[Tensor]
+        cls,
+        key_encoder: Encoder,
+        value_encoder: Encoder,
+        residual_length: int,
+        tensors: list[Tensor],
+        center_keys: bool = False,
     ) -> "KVStore":
-        """Inverse of :meth:`tensors`: a store holding exactly those codes and windows."""
-        store = cls(key_encoder, value_encoder, residual_length)
+        """Inverse of :meth:`tensors`: a store holding exactly those codes, windows and key offset."""
+        store = cls(key_encoder, value_encoder, residual_length, center_keys)
         if tensors:
             nk, nv = len(_LAYOUTS[store._key_id]), len(_LAYOUTS[store._value_id])
-            if len(tensors) != nk + nv + 2:
+            if len(tensors) not in (nk + nv + 2, nk + nv + 3) or (len(tensors) == nk + nv + 3 and not center_keys):
                 raise ValueError(
-                    f"expected {nk + nv + 2} tensors (key planes, value planes, 2 windows), got {len(tensors)}"
+                    f"expected {nk + nv + 2} tensors (key planes, value planes, 2 windows)"
+                    f"{', or one more (the key offset) with center_keys' if center_keys else ''}, got {len(tensors)}"
                 )
             store.keys, store.values = (
                 CodesBuffer(codes, codes.shape[2])
                 for codes in (_codes(store._key_id, tensors[:nk]), _codes(store._value_id, tensors[nk : nk + nv]))
             )
-            store._key_window, store._value_window = tensors[-2:]
+            store._key_window, store._value_window = tensors[nk + nv : nk + nv + 2]
+            store.key_offset = tensors[nk + nv + 2] if len(tensors) == nk + nv + 3 else None
         return store
 
     # -- state -------------------------------------------------------------------------------------
@@ -276,18 +299,20 @@ class KVStore:
 
     def tensors(self) -> list[Tensor]:
         """Everything held, as plain tensors: the planes of the valid key codes [B, H, Tc, ...], of the value
-        codes, then the key window [B, H, W, Dk] and the value window [B, H, W, Dv]; [] while empty."""
+        codes, then the key window [B, H, W, Dk] and the value window [B, H, W, Dv], then the key offset
+        [B, H, 1, Dk] once set; [] while empty."""
         if self.keys is None:
             return []
         planes = [t for codes in (self.keys.view(), self.values.view()) for _, t in codes.planes()]
-        return [*planes, self._key_window, self._value_window]
+        offset = [] if self.key_offset is None else [self.key_offset]
+        return [*planes, self._key_window, self._value_window, *offset]
 
     def nbytes(self) -> int:
-        """Bytes held: the valid code planes of keys and values plus the full-precision window."""
+        """Bytes held: the valid code planes of keys and values, the full-precision window and the key offset."""
         if self.keys is None:
             return 0
-        window = sum(t.numel() * t.element_size() for t in (self._key_window, self._value_window))
-        return self.nbytes_compressed()[0] + window
+        dense = [t for t in (self._key_window, self._value_window, self.key_offset) if t is not None]
+        return self.nbytes_compressed()[0] + sum(t.numel() * t.element_size() for t in dense)
 
     def nbytes_compressed(self) -> tuple[int, int]:
         """(bytes, tokens) of the compressed tokens alone: the valid code planes of keys and values (with
@@ -309,6 +334,8 @@ class KVStore:
         """Add the tokens of one step: key [B, H, T, Dk], value [B, H, T, Dv] (floating, same B, H, T;
         shapes and dtypes are checked, values are not: see the module docstring)."""
         self._check(key, value)
+        if self.center_keys and key.shape[2] and self.key_offset is None:  # the first tokens fix the offset
+            self.key_offset = key.float().mean(2, keepdim=True)  # [B, H, 1, Dk]
         if self.keys is None:
             b, h = key.shape[:2]
             self.keys = CodesBuffer(empty_codes(self._key_id, (b, h, 0), key.device))
@@ -317,7 +344,9 @@ class KVStore:
             return
         old = self.window_length - self.residual_length
         if old > 0:  # tokens that left the window: encode once, append to the buffers
-            self.keys.append(encode_tokens(self.key_encoder, self._key_window[:, :, :old], self._key_id))
+            leaving = self._key_window[:, :, :old]
+            leaving = leaving if self.key_offset is None else leaving.float() - self.key_offset
+            self.keys.append(encode_tokens(self.key_encoder, leaving, self._key_id))
             self.values.append(encode_tokens(self.value_encoder, self._value_window[:, :, :old], self._value_id))
         keep = slice(max(old, 0), None)
         self._key_window = torch.cat([self._key_window[:, :, keep], key], dim=2)
@@ -344,6 +373,8 @@ class KVStore:
         self.values.select(index)
         self._key_window = self._key_window[index]
         self._value_window = self._value_window[index]
+        if self.key_offset is not None:
+            self.key_offset = self.key_offset[index]
 
     def repeat_interleave(self, repeats: int) -> None:
         """Repeat every batch row ``repeats`` times in place (``num_return_sequences``)."""
@@ -361,21 +392,41 @@ class KVStore:
         self.values.to(device, non_blocking)
         self._key_window = self._key_window.to(device, non_blocking=non_blocking)
         self._value_window = self._value_window.to(device, non_blocking=non_blocking)
+        if self.key_offset is not None:
+            self.key_offset = self.key_offset.to(device, non_blocking=non_blocking)
 
     # -- reads -------------------------------------------------------------------------------------
     def view(self) -> tuple[CompressedTokens, CompressedTokens]:
-        """(keys, values) as :class:`CompressedTokens` views of the held tokens (no copy, no decode)."""
+        """(keys, values) as :class:`CompressedTokens` views of the held tokens (no copy of the codes, no
+        decode); once :attr:`key_offset` is set, every key is minus it (the window's in a copy), which leaves
+        softmax attention unchanged."""
         if self.keys is None:
             raise ValueError("the KVStore is empty: append tokens before reading it")
+        window = self._key_window
+        if self.key_offset is not None:
+            window = (window.float() - self.key_offset).to(window.dtype)
         return (
-            CompressedTokens(self.keys.view(), self._key_window, self.key_encoder),
+            CompressedTokens(self.keys.view(), window, self.key_encoder),
             CompressedTokens(self.values.view(), self._value_window, self.value_encoder),
         )
 
     def materialize(self, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
         """Decoded keys [B, H, T, Dk] and values [B, H, T, Dv] in ``dtype`` (default: the window's)."""
-        keys, values = self.view()
-        return keys.materialize(dtype), values.materialize(dtype)
+        return self.materialize_keys(dtype), self.materialize_values(dtype)
+
+    def materialize_keys(self, dtype: torch.dtype | None = None) -> Tensor:
+        """Decoded keys [B, H, T, Dk] in ``dtype`` (default: the window's): the codes' plus :attr:`key_offset`,
+        then the window as held."""
+        if self.keys is None:
+            raise ValueError("the KVStore is empty: append tokens before reading it")
+        dtype = self._key_window.dtype if dtype is None else dtype
+        codes = self.key_encoder.decode(self.keys.view()).float()
+        codes = codes if self.key_offset is None else codes + self.key_offset
+        return torch.cat([codes.to(dtype), self._key_window.to(dtype)], dim=2)
+
+    def materialize_values(self, dtype: torch.dtype | None = None) -> Tensor:
+        """Decoded values [B, H, T, Dv] in ``dtype`` (default: the window's)."""
+        return self.view()[1].materialize(dtype)
 
     # -- helpers -----------------------------------------------------------------------------------
     def _check(self, key: Tensor, value: Tensor) -> None:

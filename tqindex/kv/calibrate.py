@@ -1,0 +1,158 @@
+"""Per-layer precision of a TQCache chosen by measurement: :func:`calibrate` (:func:`measure_sensitivity`,
+then :func:`policy_for_budget`, which a user may call apart to try several budgets on one measurement).
+
+Every layer's sensitivity is measured alone: the model reads a calibration text of ``prefix + scored``
+tokens, its first ``prefix`` tokens go through a cache in which one layer stores its keys at ``b`` bits
+(its values at 8 bits, nearly exact) and every other layer stays in full precision, the next ``scored``
+tokens are predicted in one forward pass over that history, and the sensitivity is the mean KL
+divergence of those predictions from a full-precision cache's, in nats. Values are measured the same
+way (keys at 8 bits). A layer's loss for ``b_k``-bit keys and ``b_v``-bit values is the sum of the two
+(errors of different layers and of keys and values add up, to first order), a full-precision layer's is
+0, and :func:`tqindex.kv.policy.choose` picks per layer the option of least summed loss whose bytes fit
+the budget. The scored tokens attend to each other in full precision, as a chunked prefill does; only
+their attention to the compressed prefix is measured, which is what a decoded token reads.
+
+The calibration text should be unrelated to the text the cache will be judged on. The result is a plain
+:class:`~tqindex.kv.policy.KVPolicy`: save it, read it, edit it, pass it to ``TQCache(config, policy=...)``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+from transformers import DynamicCache
+
+from ..checks import check_int
+from ..turboquant import MSE_BITS
+from .policy import KVPolicy, LayerPolicy, choose
+
+NEAR_EXACT = "tq8"
+"""The encoder of the side (keys or values) not under measurement."""
+
+
+@dataclass(frozen=True)
+class Sensitivity:
+    """What :func:`measure_sensitivity` measured: ``key_kl[w][i]`` / ``value_kl[w][i]``, the mean KL divergence
+    (nats per scored token) with layer i's keys / values stored by encoder ``w`` (e.g. ``"tq3"``), and the
+    model's cache shape: layers, KV heads, key and value head dims, bytes per element of its dtype."""
+
+    key_kl: dict[str, list[float]]
+    value_kl: dict[str, list[float]]
+    layers: int
+    heads: int
+    key_dim: int
+    value_dim: int
+    dense_bytes: int
+    prefix: int
+    scored: int
+    center_keys: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields."""
+        return asdict(self)
+
+
+def measure_sensitivity(
+    model: Any,
+    tokens: Tensor,
+    *,
+    bits: tuple[int, ...] = (2, 3, 4),
+    prefix: int = 384,
+    scored: int = 64,
+    center_keys: bool = True,
+    backend: str | None = None,
+) -> Sensitivity:
+    """Each layer's sensitivity to ``"tq{b}"`` keys and values, for b in ``bits`` (module notes).
+
+    model: a transformers causal LM; tokens: calibration token ids [1, T] (or [T]) with T >= prefix +
+    scored; backend: the kernels of the trial caches. Runs 2 · layers · len(bits) + 1 short passes of the
+    model (a progress bar counts them); the model's attention implementation is restored afterwards.
+    """
+    from .hf import TQCache, _head_dims
+
+    tokens = tokens.reshape(1, -1) if isinstance(tokens, Tensor) and tokens.dim() == 1 else tokens
+    check_int(prefix, "prefix", 1)
+    check_int(scored, "scored", 1)
+    if not isinstance(tokens, Tensor) or tokens.dim() != 2 or tokens.shape[0] != 1 \
+            or tokens.shape[1] < prefix + scored:
+        got = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
+        raise ValueError(f"tokens must be ids [1, T] with T >= prefix + scored = {prefix + scored}, got {got}")
+    if not bits or any(b not in MSE_BITS for b in bits):
+        raise ValueError(f"bits must be widths among {MSE_BITS}, got {bits!r}")
+    config = model.config.get_text_config(decoder=True)
+    layers = len(DynamicCache(config=model.config).layers)
+    key_dim, value_dim = _head_dims(config)
+    weight = next(model.parameters())
+    tokens = tokens.to(weight.device)
+    kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    def predictions(cache: Any) -> Tensor:  # log-probabilities [scored, vocab] of the scored tokens
+        model(input_ids=tokens[:, :prefix], **{kwarg: cache}, use_cache=True, logits_to_keep=1)
+        logits = model(input_ids=tokens[:, prefix:prefix + scored], **{kwarg: cache}, use_cache=True).logits
+        return torch.log_softmax(logits[0].float(), dim=-1)
+
+    def trial(layer: int, keys: str, values: str) -> KVPolicy:
+        entries = [LayerPolicy(dense=True)] * layers
+        entries[layer] = LayerPolicy(keys, values)
+        return KVPolicy(entries, center_keys)
+
+    kl: dict[str, dict[str, list[float]]] = {side: {f"tq{b}": [0.0] * layers for b in bits}
+                                             for side in ("keys", "values")}
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("tqindex")
+    try:
+        with torch.inference_mode():
+            reference = predictions(DynamicCache(config=model.config))
+            runs = [(i, f"tq{b}", side) for i in range(layers) for b in bits for side in ("keys", "values")]
+            for i, spec, side in tqdm(runs, desc="calibrating", unit="run"):
+                policy = trial(i, spec, NEAR_EXACT) if side == "keys" else trial(i, NEAR_EXACT, spec)
+                logp = predictions(TQCache(model.config, policy=policy, backend=backend))
+                kl[side][spec][i] = max(float((reference.exp() * (reference - logp)).sum(-1).mean()), 0.0)
+    finally:
+        model.set_attn_implementation(previous)
+    return Sensitivity(kl["keys"], kl["values"], layers, config.num_key_value_heads, key_dim, value_dim,
+                       weight.element_size(), prefix, scored, center_keys)
+
+
+def policy_for_budget(sensitivity: Sensitivity, budget_bits: float, *, allow_dense: bool = True,
+                      context_tokens: int = 2048) -> KVPolicy:
+    """The policy of least predicted loss (summed KL) whose layers store at most ``budget_bits`` bits per
+    key/value element on average, side data and full-precision layers included, at a context of
+    ``context_tokens`` tokens (:meth:`KVPolicy.bits_per_element`). Options per layer: every pair of the
+    measured key and value encoders, and full precision if ``allow_dense``. The policy's ``calibration``
+    records the budget, the bits reached, the predicted KL and the measurement. ValueError when the budget
+    is below the cheapest choice."""
+    check_int(context_tokens, "context_tokens", 1)
+    s = sensitivity
+    widths = list(s.key_kl)
+    options = [LayerPolicy(k, v) for k in widths for v in widths] + ([LayerPolicy(dense=True)] if allow_dense else [])
+    per_token = [o.bytes_per_token(s.heads, s.key_dim, s.value_dim, context_tokens, s.dense_bytes, s.center_keys)
+                 for o in options]
+    losses = [[0.0 if o.dense else s.key_kl[o.key_encoder][i] + s.value_kl[o.value_encoder][i] for o in options]
+              for i in range(s.layers)]
+    budget = budget_bits / 8 * s.heads * (s.key_dim + s.value_dim) * s.layers
+    chosen = choose([per_token] * s.layers, losses, budget)
+    policy = KVPolicy([options[j] for j in chosen], s.center_keys)
+    policy.calibration = {
+        "method": "per-layer KL divergence, keys and values measured apart (tqindex.kv.calibrate)",
+        "budget_bits": budget_bits, "context_tokens": context_tokens,
+        "bits": policy.bits_per_element(s.heads, s.key_dim, s.value_dim, context_tokens, s.dense_bytes),
+        "predicted_kl": sum(losses[i][j] for i, j in enumerate(chosen)), "sensitivity": s.to_dict(),
+    }
+    return policy
+
+
+def calibrate(model: Any, tokens: Tensor, budget_bits: float, *, bits: tuple[int, ...] = (2, 3, 4),
+              allow_dense: bool = True, prefix: int = 384, scored: int = 64, context_tokens: int = 2048,
+              center_keys: bool = True, backend: str | None = None) -> KVPolicy:
+    """A :class:`KVPolicy` for ``model`` at most ``budget_bits`` bits per stored key/value element on
+    average: :func:`measure_sensitivity` on calibration ids ``tokens`` [1, T], then :func:`policy_for_budget`
+    (arguments as there). Save it with :meth:`KVPolicy.save`; use it as ``TQCache(model.config, policy=p)``."""
+    sensitivity = measure_sensitivity(model, tokens, bits=bits, prefix=prefix, scored=scored,
+                                      center_keys=center_keys, backend=backend)
+    return policy_for_budget(sensitivity, budget_bits, allow_dense=allow_dense, context_tokens=context_tokens)
