@@ -309,8 +309,8 @@ def run_cache(name: str, model: Any, tokens: Tokens, workload: tuple, args: argp
 
 def stream_agreement(model: Any, ids: torch.Tensor, factory: Callable[[], Any]) -> list[int]:
     """kv_quality.py's chunked protocol (--prefill 512 --chunk 64): ids [1, T] fed as a STREAM_PREFILL-token
-    prefill, then chunks of STREAM_CHUNK, through a new cache (under the model's attention: the chunks attend from the codes). ->
-    greedy next-token predictions for positions STREAM_PREFILL-1 .. T-2."""
+    prefill, then chunks of STREAM_CHUNK, through a new cache (under the model's attention: the chunks attend
+    from the codes). -> greedy next-token predictions for positions STREAM_PREFILL-1 .. T-2."""
     cache = factory()
     kw = {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}
     preds = []
