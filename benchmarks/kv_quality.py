@@ -36,6 +36,10 @@ Usage::
     python benchmarks/kv_quality.py                  # full run (about an hour on 2 CPU cores), writes
                                                      # benchmarks/results/kv_quality_smollm2_cpu.{json,md}
     python benchmarks/kv_quality.py --configs dynamic tq4-r0-p0 policy-b3.25 --out /tmp/x
+    python benchmarks/kv_quality.py --merge /tmp/a.json /tmp/b.json benchmarks/results/kv_quality_smollm2_cpu
+                                                     # runs of disjoint configurations side by side -> one
+
+The JSON and the report are rewritten after every configuration.
 """
 
 from __future__ import annotations
@@ -420,7 +424,9 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         f"git {env['git_sha'][:12] if env['git_sha'] else '?'}{' (dirty)' if env['git_dirty'] else ''}, "
         f"torch {env['versions']['torch']}, transformers {env['versions']['transformers']}, "
-        f"{env['cpu']} ({env['threads']} thread), total {result['total_time_s']:.0f} s.",
+        f"{env['cpu']} ({env['threads']} thread), total {result['total_time_s']:.0f} s"
+        + (f" ({len(result['merged_from'])} runs of disjoint configurations side by side, merged)."
+           if result.get("merged_from") else "."),
         "",
         "| config | bits/elem | B/token | x bf16 | vs fp8 | " + " | ".join(f"ΔPPL % {t}" for t in labels)
         + " | needle | p(code) | time s |",
@@ -508,9 +514,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from tqindex.kv import measure_sensitivity, policy_for_budget
 
     args = parse_args(argv)
-    specs = [cache_spec(name) for name in args.configs]  # fail early on a bad name
-    if "dynamic" not in args.configs:
-        specs.insert(0, cache_spec("dynamic"))
+    specs = [cache_spec(name) for name in ["dynamic", *(c for c in args.configs if c != "dynamic")]]  # the
+    # reference first; a bad name fails here
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     env = environment(args.threads)  # tqindex is imported already: the sources digest is of the code that runs
@@ -544,25 +549,56 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                            "describe": p.describe(), "policy": p.to_dict()}
                                     for name, p in policies.items()}}
 
-    rows = []
-    for spec in tqdm(specs, desc="configs", unit="config", file=sys.stderr):
-        rows.append(run_config(spec, model, tokenizer, texts, needle_ids, args))
-    compare(rows)
     result = {
         "benchmark": "kv_quality", "env": env,
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "model": model_info, "texts": text_info, "needle": needle, "calibration": calibration,
-        "rows": rows, "summary": summarize(rows), "total_time_s": round(time.perf_counter() - t0, 1),
+        "model": model_info, "texts": text_info, "needle": needle, "calibration": calibration, "rows": [],
     }
-    report = markdown(result)
+    for spec in tqdm(specs, desc="configs", unit="config", file=sys.stderr):
+        result["rows"].append(run_config(spec, model, tokenizer, texts, needle_ids, args))
+        result["total_time_s"] = round(time.perf_counter() - t0, 1)
+        report = write(result, args.out)  # after every configuration: an interrupted run keeps what it measured
     print(report)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-        args.out.with_suffix(".md").write_text(report)
-        print(f"wrote {args.out.with_suffix('.json')} and {args.out.with_suffix('.md')}", file=sys.stderr)
     return result
 
 
+def write(result: dict[str, Any], out: Path | None) -> str:
+    """Compare the rows, summarize, write ``out``.json/.md if given. -> the markdown report."""
+    compare(result["rows"])
+    result["summary"] = summarize(result["rows"])
+    report = markdown(result)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+        out.with_suffix(".md").write_text(report)
+    return report
+
+
+def merge(paths: list[Path], out: Path) -> dict[str, Any]:
+    """One result from runs of disjoint configurations at the same code and settings (e.g. run side by side
+    on two cores): their rows (each configuration once, ``dynamic`` from the first), written to ``out``."""
+    runs = [json.loads(p.read_text()) for p in paths]
+    first = runs[0]
+    same = ("git_sha", "git_dirty", "tqindex_sources_sha256", "benchmarks_sources_sha256")
+    settings = [k for k in first["args"] if k not in ("configs", "out", "merge")]
+    for path, run in zip(paths[1:], runs[1:]):
+        if any(run["env"].get(k) != first["env"].get(k) for k in same) or \
+                any(run["args"].get(k) != first["args"].get(k) for k in settings):
+            raise SystemExit(f"{path} ran at other code or settings than {paths[0]}: not merged")
+    rows, seen = [], set()
+    for run in runs:
+        rows += [r for r in run["rows"] if r["config"] not in seen]
+        seen |= {r["config"] for r in run["rows"]}
+    result = {**first, "rows": rows, "merged_from": [str(p) for p in paths],
+              "calibration": next((r["calibration"] for r in runs if r.get("calibration")), None),
+              "total_time_s": max(r["total_time_s"] for r in runs)}
+    result["args"] = {**first["args"], "configs": [r["config"] for r in rows], "out": str(out)}
+    print(write(result, out))
+    return result
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--merge"]:
+        *parts, target = sys.argv[2:]
+        merge([Path(p) for p in parts], Path(target))
+    else:
+        main()
