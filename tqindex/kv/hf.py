@@ -242,8 +242,9 @@ class TQCache(DynamicCache):
     offload_only_non_sliding: as for ``DynamicCache``; backend: the kernels of encoding and attention for
     encoders given by name ("torch", "triton", ...; None: ``$TQINDEX_BACKEND``, else auto: the GPU kernels
     on CUDA, see ``tqindex.kernels``); center_keys: store each compressed layer's keys relative to the mean
-    key of its first update (per batch row and head; the attention is unchanged, the codes' error about
-    halves: see :mod:`tqindex.kv.store`), except in models whose attention soft-caps its scores;
+    key of its first update (per batch row and head; the attention is unchanged, the codes no longer spend
+    bits on the component all keys of a head share: see :mod:`tqindex.kv.store`), except in models whose
+    attention soft-caps its scores;
     policy: a :class:`~tqindex.kv.policy.KVPolicy` (or its dict, or the path of its JSON file, e.g. from
     :func:`tqindex.kv.calibrate`) choosing encoders, window and full precision per layer, in place of
     key_encoder, value_encoder, residual_length, protected_layers and center_keys (needs ``config``).
