@@ -24,6 +24,7 @@ transformers 5.0 (the oldest release the ``kv`` extra allows) and the newest 5.x
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 from collections.abc import Iterable, Iterator
@@ -489,7 +490,9 @@ def _policy(
     elif not isinstance(policy, KVPolicy):
         raise TypeError(f"policy must be a KVPolicy, its dict or the path of its JSON file, got "
                         f"{type(policy).__name__}")
-    if given != ("tq4", "tq4", 128, 2, True):
+    names = ("key_encoder", "value_encoder", "residual_length", "protected_layers", "center_keys")
+    params = inspect.signature(TQCache.__init__).parameters
+    if given != tuple(params[name].default for name in names):
         raise ValueError("pass either a policy or key_encoder / value_encoder / residual_length / protected_layers / "
                          "center_keys: the policy chooses them per layer")
     if config is None:
