@@ -13,6 +13,7 @@ scan scores codes from lookup tables or decoded levels times one scale per vecto
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any, ClassVar, NamedTuple
 
 import torch
@@ -61,9 +62,10 @@ def store_scale(scale: Tensor, norm_dtype: str) -> Tensor:
     return scale.clamp(-top, top).to(dtype)
 
 
+@lru_cache(maxsize=64)
 def search_alphas(candidates: int, device: torch.device | str = "cpu") -> Tensor:
     """Pre-scales tried by the direction search: [1] for ``candidates`` <= 1, else 1 and ``candidates``
-    values spread over CODE_SEARCH_RANGE."""
+    values spread over CODE_SEARCH_RANGE (cached per device: read, never modify)."""
     if candidates <= 1:
         return torch.ones(1, device=device)
     return torch.cat([torch.ones(1), torch.linspace(*CODE_SEARCH_RANGE, candidates)]).to(device)
@@ -84,13 +86,16 @@ def encode_directions(x: Tensor, rotation: Rotation, runs: list[CodeRun], alphas
     and symmetric codebooks of up to 16 levels; triton: any). Exact for any finite input: rows whose
     float32 sum of squares under- or overflows are encoded again scaled by a power of two.
     """
-    kinds = ("native", "triton") if native_encodes(runs) else ("triton",)
+    # (the native kernel runs on CPU tensors only: comparing device codebooks would wait for the device)
+    kinds = ("native", "triton") if x.device.type != "cpu" or native_encodes(runs) else ("triton",)
     chosen = kernels.select(x, backend, kinds, "direction encoding")
     if chosen == "triton":
         from .kernels.encode_triton import encode_directions_triton as encode  # imports triton
     else:
         encode = encode_directions_native if chosen == "native" else encode_directions_reference
     qdata, norm, dot, sq = encode(x, rotation, runs, alphas)
+    if chosen == "triton" and rotation.matmul_matrix is not None:
+        return qdata, norm, dot, sq  # the kernel scales the rows it rotates itself (and never waits for the host)
     unsafe = torch.nonzero(~((norm >= NORM_SAFE[0]) & (norm <= NORM_SAFE[1]))).squeeze(1)
     if len(unsafe):  # their codes do not depend on the scale; their norms are scaled back exactly
         true_norm = torch.linalg.vector_norm(x[unsafe].double(), dim=-1)

@@ -27,13 +27,17 @@ def stores(kenc: str, venc: str, b: int, hkv: int, d: int, past: int, window: in
     return store
 
 
-def check(kenc, venc, b, hq, hkv, d, past, window, nq, mask=None, softcap=None, causal=True, decode=None):
+def check(kenc, venc, b, hq, hkv, d, past, window, nq, mask=None, softcap=None, causal=True, decode=None,
+          strided=True):
+    """The kernel against the reference; ``strided``: q [B, Hq, Q, D] a transposed view of [B, Q, Hq, D], as
+    attention layers pass it (else contiguous)."""
     from tqindex.kernels.attention_triton import compressed_attention_triton
 
     store = stores(kenc, venc, b, hkv, d, past, window, seed=past + window + hq)
     keys, values = store.view()
     assert keys.codes.shape[2] == past and keys.window.shape[2] == window
-    q = torch.randn(b, hq, nq, d, generator=torch.Generator().manual_seed(1)).to(DEVICE).half()
+    q = torch.randn(b, nq, hq, d, generator=torch.Generator().manual_seed(1)).to(DEVICE).half().transpose(1, 2)
+    q = q if strided else q.contiguous()
     scaling = d ** -0.5
     ref = compressed_attention_ref(q.float(), keys, values, mask, scaling, softcap=softcap, causal=causal)
     out = compressed_attention_triton(q, keys, values, mask, scaling, softcap=softcap, causal=causal, decode=decode)
@@ -52,11 +56,12 @@ def test_decode_step(past, hq, hkv):
                                           ("tq2", "tq2", 64), ("tq4", "tq8", 96), ("tq1", "tq1", 64),
                                           ("tq3", "tq3", 128), ("tq3", "tq3", 40)])
 def test_encoders_and_dims(kenc, venc, d):
-    check(kenc, venc, 1, 4, 2, d, 200, 3, 1)
+    check(kenc, venc, 1, 4, 2, d, 200, 3, 1, strided=False)
 
 
 def test_prefill_chunk_over_a_compressed_past_is_causal():
     check("tq4", "tq4", 1, 4, 2, 64, 300, 70, 70)  # the chunk is the window: 70 queries, causal
+    check("tq4", "tq4", 1, 4, 2, 64, 300, 70, 70, strided=False)
 
 
 def test_no_window_softcap_padding_mask_and_no_past():

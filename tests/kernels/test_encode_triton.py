@@ -74,3 +74,23 @@ def test_index_on_the_device_encodes_with_the_kernel():
     D0, I0 = ref.search(x[:5], 5)
     assert (I.cpu() == I0).float().mean() > 0.95 and (I.cpu()[:, 0] == torch.arange(5)).all()
     assert index.memory_bytes() == 200 * (packed_size(64, 4) + 2) + index._fixed_bytes()
+
+
+@pytest.mark.parametrize("dim", [64, 50])
+def test_rows_of_any_scale_encode_exactly_without_a_host_rescue(dim, monkeypatch):
+    """The kernel scales each row by a power of two itself: codes of 2^e x equal the codes of x and norms
+    scale exactly for norms from 1e-32 to 1e37, with no rescue pass (which would wait for the device)."""
+    import tqindex.directions as directions
+
+    enc = tq.make_encoder("tq4", dim)
+    rotation, runs = enc._rotation(DEVICE), enc.code_runs(DEVICE)
+    alphas = search_alphas(enc.code_search, DEVICE)
+    x = torch.randn(40, dim, generator=torch.Generator().manual_seed(dim)).to(DEVICE)
+    q0, n0, d0, s0 = encode_directions(x, rotation, runs, alphas, "triton")
+    monkeypatch.setattr(directions.torch, "nonzero", None)  # the rescue's first step: must not run
+    for e in (-110, -100, -60, 0, 60, 120):  # every coordinate stays a normal float
+        xs = torch.ldexp(x, torch.tensor(e, device=DEVICE))
+        q, n, d, s = encode_directions(xs, rotation, runs, alphas, "triton")
+        assert torch.equal(q, q0) and torch.equal(d, d0) and torch.equal(s, s0), e
+        torch.testing.assert_close(n.double(), torch.ldexp(n0.double(), torch.tensor(e, device=DEVICE)),
+                                   rtol=1e-6, atol=0)

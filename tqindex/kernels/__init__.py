@@ -61,6 +61,12 @@ def requested(backend: str | None = None) -> str:
     return check_backend(env, f"${ENV_VAR}")
 
 
+@cache
+def multiprocessors(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (4 elsewhere: the Triton interpreter's programs)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
 def can_run(backend: str, device: torch.device) -> bool:
     """Whether ``backend`` can run kernels on tensors of ``device`` here."""
     if backend == "torch":

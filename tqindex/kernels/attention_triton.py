@@ -1,10 +1,13 @@
 """Attention straight from direction codes on GPUs (Triton): decode steps and prefill chunks over a
 compressed past.
 
-One kernel, split-K (flash-decoding): a program takes one (batch row, KV head), a block of BLOCK_M query
-rows (the G query heads sharing that KV head times the Q query positions, head-major) and a range of key
-tokens, and keeps an online softmax (running max ``m``, normalizer ``l``, weighted value sum). Its range
-lies either in the compressed past (codes) or in the full-precision window (the newest tokens, causal):
+Three launches per call. The query kernel rotates the queries into the key encoder's planar order in one
+product with a precomputed matrix (the rotation's columns, reordered) and scales each row by a power of
+two. The attention kernel is split-K (flash-decoding): a program takes one (batch row, KV head), a block
+of BLOCK_M query rows (the G query heads sharing that KV head times the Q query positions, head-major)
+and a range of key tokens, and keeps an online softmax (running max ``m``, normalizer ``l``, weighted
+value sum). Its range lies either in the compressed past (codes) or in the full-precision window (the
+newest tokens, causal):
 
 - compressed tokens: keys are decoded plane by plane in registers (``planes.py``, the scan's decoders)
   and multiplied with the rotated, planar queries (f16 operands, f32 accumulation), the key scale folded
@@ -13,10 +16,10 @@ lies either in the compressed past (codes) or in the full-precision window (the 
   domain;
 - window tokens: plain f16 products of the queries and the window, with the causal mask.
 
-Each program writes its partial (m, l, sum); :func:`compressed_attention_triton` combines them by
-log-sum-exp, rotates the compressed part's sum back once and adds the window's. No full-precision copy
-of the compressed history is made. The PyTorch reference is
-:func:`tqindex.kv.attention.compressed_attention_ref`.
+Each program writes its partial (m, l, sum); the merge kernel combines them by log-sum-exp, rotates the
+compressed part's sum back (one product with the inverse rotation's matrix), adds the window's and
+writes the output in the [B, Q, Hq, D] layout attention layers return. No full-precision copy of the
+compressed history is made. The PyTorch reference is :func:`tqindex.kv.attention.compressed_attention_ref`.
 """
 
 from __future__ import annotations
@@ -28,14 +31,17 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .planes import RunLayout, next_power_of_2, run_layouts
-from .scan_triton import _groups, _level, _nibble_levels, _plane_levels, default_decode, planar_queries, prmt_tables
+from . import multiprocessors
+from .planes import next_power_of_2, run_layouts, to_planes
+from .scan_triton import _groups, _level, _nibble_levels, _plane_levels, default_decode, prmt_tables
 
 BLOCK_N = 64
 """Key tokens per tile."""
 PROGRAMS_PER_SM = 4
 WINDOW_SPLIT = 1024
 """Window tokens per program (prefill chunks are long windows)."""
+MERGE_ROWS = 16
+"""Query rows per program of the query and merge kernels (the least M of a tensor-core product)."""
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
@@ -119,9 +125,39 @@ def _masked(s, visible, mask_ptr, MASK_KIND: tl.constexpr):
 
 
 @triton.jit
+def _query_rows(Q, b, kvh, r, rows, nq, q_sb, q_sh, q_sq):
+    """Pointers to the queries of rows ``r`` of KV head ``kvh`` of batch row ``b``: row r is query head
+    kvh * G + r // nq at position r % nq of q [B, Hq, Q, D] (strides q_sb, q_sh, q_sq; unit stride in D)."""
+    h = kvh * (rows // nq) + r // nq
+    return Q + b.to(tl.int64) * q_sb + h.to(tl.int64) * q_sh + (r % nq).to(tl.int64) * q_sq
+
+
+@triton.jit
+def _query_kernel(Q, MQ, QP, QSC, hkv, rows, nq, q_sb, q_sh, q_sq, D: tl.constexpr, DP: tl.constexpr,
+                  PW: tl.constexpr, PWP: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Program (batch row x KV head ``bh``, row block): its query rows rotated into planar order,
+    ``q MQ`` (MQ float32 [DP, PWP]: the rotation's columns in planar order, zero padded), divided by a
+    power of two per row so that the largest coordinate is near 1; written f16 to QP [bh * rows + r, PW],
+    the divisors to QSC [bh * rows + r]."""
+    bh, rb = tl.program_id(0), tl.program_id(1)
+    r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+    ok = r < rows
+    d = tl.arange(0, DP)
+    c = tl.arange(0, PWP)
+    q_rows = _query_rows(Q, bh // hkv, bh % hkv, r, rows, nq, q_sb, q_sh, q_sq)
+    q = tl.load(q_rows[:, None] + d[None, :], mask=ok[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
+    y = tl.dot(q, tl.load(MQ + d[:, None] * PWP + c[None, :]), input_precision="ieee")
+    amax = tl.max(tl.abs(y), axis=1)
+    scale = tl.where(amax > 0, tl.exp2(tl.ceil(tl.log2(tl.maximum(amax, 1e-30)))), 1.0)
+    i = bh.to(tl.int64) * rows + r
+    tl.store(QP + i[:, None] * PW + c[None, :], (y / scale[:, None]).to(tl.float16), mask=ok[:, None] & (c[None, :] < PW))
+    tl.store(QSC + i, scale, mask=ok)
+
+
+@triton.jit
 def _attention_kernel(
-    QP, QSC, QD, KC, KN, VC, VN, KW, VW, MASK, OUT, M_OUT, L_OUT,
-    hkv, rows, nq, tc, tw, mask_sb, mask_sq, mask_st, kbytes, vbytes, kc_stride, vc_stride, kn_stride, vn_stride,
+    QP, QSC, Q, KC, KN, VC, VN, KW, VW, MASK, OUT, M_OUT, L_OUT,
+    hkv, rows, nq, tc, tw, q_sb, q_sh, q_sq, mask_sb, mask_sq, mask_st, kbytes, vbytes, kc_stride, vc_stride, kn_stride, vn_stride,
     kw_stride, vw_stride, kw_tstride, vw_tstride, splits_c, tokens_per_split, scaling, softcap,
     KMAG, VMAG, KT0, KT1, KT2, KT3, VT0, VT1, VT2, VT3,
     KR: tl.constexpr, VR: tl.constexpr, PWK: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
@@ -173,8 +209,9 @@ def _attention_kernel(
         t_lo = (sp - splits_c) * per
         t_hi = tl.minimum(t_lo + per, tw)
         last = tw - nq + r % nq
-        q = tl.load(QD + (bh64 * rows + r)[:, None] * D + dcol[None, :], mask=rmask[:, None] & (dcol[None, :] < D),
-                    other=0.0).to(tl.float16)
+        q_rows = _query_rows(Q, b, bh % hkv, r, rows, nq, q_sb, q_sh, q_sq)
+        q = tl.load(q_rows[:, None] + dcol[None, :], mask=rmask[:, None] & (dcol[None, :] < D), other=0.0)
+        q = q.to(tl.float16)
         for t0 in range(t_lo, t_hi, BLOCK_N):
             tok = t0 + tl.arange(0, BLOCK_N)
             tmask = tok < t_hi
@@ -202,15 +239,66 @@ def _attention_kernel(
     tl.store(OUT + base[:, None] * DP + dcol[None, :], acc, mask=rmask[:, None])
 
 
+@triton.jit
+def _merge_kernel(OUT, M, L, MV, RES, hkv, hq, rows, nq, splits, splits_c, D: tl.constexpr, DP: tl.constexpr,
+                  BLOCK_R: tl.constexpr):
+    """Program (batch row x KV head ``bh``, row block): the log-sum-exp merge of the splits' partial softmaxes
+    (OUT [bh, split, rows, DP], M / L [bh, split, rows]), the compressed splits' sum rotated back by
+    MV float32 [DP, DP] (the value rotation's inverse, zero padded), plus the window splits' sum, divided
+    by the normalizer (0 for rows that see no key); written in RES's dtype to RES [B, Q, Hq, D]."""
+    bh, rb = tl.program_id(0), tl.program_id(1)
+    r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+    ok = r < rows
+    base = bh.to(tl.int64) * splits * rows + r
+    top = tl.full((BLOCK_R,), float("-inf"), tl.float32)
+    for sp in range(splits):
+        top = tl.maximum(top, tl.load(M + base + sp * rows, mask=ok, other=float("-inf")))
+    shift = tl.where(top > float("-inf"), top, 0.0)
+    d = tl.arange(0, DP)
+    total = tl.zeros((BLOCK_R,), tl.float32)
+    acc_c = tl.zeros((BLOCK_R, DP), tl.float32)
+    acc_w = tl.zeros((BLOCK_R, DP), tl.float32)
+    for sp in range(splits):
+        m = tl.load(M + base + sp * rows, mask=ok, other=float("-inf"))
+        w = tl.where(m > float("-inf"), tl.exp2((m - shift) * LOG2E), 0.0)
+        total += tl.load(L + base + sp * rows, mask=ok, other=0.0) * w
+        part = tl.load(OUT + (base + sp * rows)[:, None] * DP + d[None, :], mask=ok[:, None], other=0.0) * w[:, None]
+        if sp < splits_c:
+            acc_c += part
+        else:
+            acc_w += part
+    acc = tl.dot(acc_c, tl.load(MV + d[:, None] * DP + d[None, :]), input_precision="ieee") + acc_w
+    res = tl.where(total[:, None] > 0, acc / tl.maximum(total, 1.1754943508222875e-38)[:, None], 0.0)
+    b, h = bh // hkv, (bh % hkv) * (rows // nq) + r // nq
+    at = ((b.to(tl.int64) * nq + r % nq) * hq + h) * D
+    tl.store(RES + at[:, None] + d[None, :], res.to(RES.dtype.element_ty), mask=ok[:, None] & (d[None, :] < D))
+
+
 # --------------------------------------------------------------------------------------------------
 # host side
 
 
-def _tables(encoder: Any, device: torch.device) -> tuple[tuple, Tensor, list[int]]:
-    """One run's layout (constexpr tuple), magnitudes on ``device`` and prmt words."""
+def _key_tables(encoder: Any, device: torch.device) -> tuple[tuple, Tensor, list[int], Tensor]:
+    """The key run's layout (constexpr tuple), magnitudes and prmt words on ``device``, and the query map
+    float32 [DP, PWP]: row j is coordinate j's image under the rotation, in planar order (zero padded)."""
     layouts, mags, _ = run_layouts(encoder.code_runs(device))
     mags = mags.to(device)
-    return tuple(layouts[0]), mags, prmt_tables(mags, layouts)[:4]
+    dim = encoder.dim
+    planar = to_planes(encoder.rotate(torch.eye(dim, device=device)), layouts[:1])
+    mq = torch.zeros(next_power_of_2(dim), next_power_of_2(planar.shape[1]), device=device)
+    mq[:dim, : planar.shape[1]] = planar
+    return tuple(layouts[0]), mags, prmt_tables(mags, layouts)[:4], mq
+
+
+def _value_tables(encoder: Any, device: torch.device) -> tuple[tuple, Tensor, list[int], Tensor]:
+    """The value run's layout, magnitudes and prmt words on ``device``, and the rotation's inverse float32
+    [DP, DP] (zero padded): row j is the rotated domain's coordinate j in the natural one."""
+    layouts, mags, _ = run_layouts(encoder.code_runs(device))
+    mags = mags.to(device)
+    dim = encoder.dim
+    mv = torch.zeros(next_power_of_2(dim), next_power_of_2(dim), device=device)
+    mv[:dim, :dim] = encoder.rotate_back(torch.eye(dim, device=device))
+    return tuple(layouts[0]), mags, prmt_tables(mags, layouts)[:4], mv
 
 
 def mask_layout(mask: Tensor | None, b: int, nq: int, total: int) -> tuple[Tensor | None, tuple[int, int, int], int]:
@@ -232,25 +320,31 @@ def mask_layout(mask: Tensor | None, b: int, nq: int, total: int) -> tuple[Tenso
 def compressed_attention_triton(q: Tensor, keys: Any, values: Any, mask: Tensor | None, scaling: float,
                                 softcap: float | None = None, causal: bool = True,
                                 decode: int | None = None) -> Tensor:
-    """:func:`tqindex.kv.attention.compressed_attention` by the kernel (module notes). q [B, Hq, Q, D];
-    keys / values CompressedTokens [B, Hkv, T, D] whose codes the kernel reads (``attention_reads``); mask None
-    (then causal over the window) or [B|1, 1, Q, T] (:func:`mask_layout`). Returns [B, Hq, Q, D] in q's
-    dtype."""
+    """:func:`tqindex.kv.attention.compressed_attention` by three kernels (module notes): the queries' rotation
+    into planar order, the split-K attention, the merge. q [B, Hq, Q, D] (any strides); keys / values
+    CompressedTokens [B, Hkv, T, D] whose codes the kernels read (``attention_reads``); mask None (then causal
+    over the window) or [B|1, 1, Q, T] (:func:`mask_layout`). Returns [B, Hq, Q, D] in q's dtype, a view of a
+    [B, Q, Hq, D] tensor (the layout attention layers pass on)."""
     bsz, hq, nq, dim = q.shape
     hkv, tc, tw = keys.shape[1], keys.codes.shape[2], keys.window.shape[2]
     rows, device = (hq // hkv) * nq, q.device
-    kr, kmag, kt = keys.encoder.derived(device, "triton-attention", lambda: _tables(keys.encoder, device))
-    vr, vmag, vt = values.encoder.derived(device, "triton-attention", lambda: _tables(values.encoder, device))
-    qg = q.float().reshape(bsz * hkv * rows, dim)  # rows of one KV head: its G query heads, head-major
-    qp, qsc = planar_queries(keys.encoder.rotate(qg), [RunLayout(*kr)])
+    kr, kmag, kt, mq = keys.encoder.derived(device, "triton-attention", lambda: _key_tables(keys.encoder, device))
+    vr, vmag, vt, mv = values.encoder.derived(device, "triton-attention-values",
+                                              lambda: _value_tables(values.encoder, device))
+    q = q if q.stride(-1) == 1 else q.contiguous()
     dp = next_power_of_2(dim)
+    pw = kr[2] * kr[4]  # the key run's planes x padded groups
     block_m = 16 if rows <= 16 else 64
     row_blocks = triton.cdiv(rows, block_m)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if q.is_cuda else 4
+    qp = torch.empty(bsz * hkv * rows, pw, device=device, dtype=torch.float16)
+    qsc = torch.empty(bsz * hkv * rows, device=device)
+    _query_kernel[(bsz * hkv, triton.cdiv(rows, MERGE_ROWS))](
+        q, mq, qp, qsc, hkv, rows, nq, q.stride(0), q.stride(1), q.stride(2), D=dim, DP=dp, PW=pw, PWP=mq.shape[1],
+        BLOCK_R=MERGE_ROWS, num_warps=4)
     splits_c = 0
     per = BLOCK_N
     if tc:
-        want = max(1, triton.cdiv(PROGRAMS_PER_SM * sms, bsz * hkv * row_blocks))
+        want = max(1, triton.cdiv(PROGRAMS_PER_SM * multiprocessors(device), bsz * hkv * row_blocks))
         per = triton.cdiv(triton.cdiv(tc, min(want, triton.cdiv(tc, BLOCK_N))), BLOCK_N) * BLOCK_N
         splits_c = triton.cdiv(tc, per)
     splits_w = triton.cdiv(tw, WINDOW_SPLIT) if tw else 0
@@ -264,19 +358,14 @@ def compressed_attention_triton(q: Tensor, keys: Any, values: Any, mask: Tensor 
     mask_t, (msb, msq, mst), mask_kind = mask_layout(mask, bsz, nq, tc + tw)
     dec = default_decode(device) if decode is None else decode
     _attention_kernel[(bsz * hkv, row_blocks, splits)](
-        qp, qsc, qg, kq, kn, vq, vn, kw, vw, qsc if mask_t is None else mask_t, out, m, l_,
-        hkv, rows, nq, tc, tw, msb, msq, mst, kq.shape[-1], vq.shape[-1], kq.stride(1), vq.stride(1), kn.stride(1),
-        vn.stride(1), kw.stride(1), vw.stride(1), kw.stride(2), vw.stride(2), splits_c, per, scaling,
-        softcap or 1.0, kmag, vmag, *kt, *vt, KR=kr, VR=vr, PWK=qp.shape[1], D=dim, DP=dp, MASK_KIND=mask_kind,
-        SOFTCAP=softcap is not None, CAUSAL=causal and mask is None, DECODE=dec, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        qp, qsc, q, kq, kn, vq, vn, kw, vw, qsc if mask_t is None else mask_t, out, m, l_,
+        hkv, rows, nq, tc, tw, q.stride(0), q.stride(1), q.stride(2), msb, msq, mst, kq.shape[-1], vq.shape[-1],
+        kq.stride(1), vq.stride(1), kn.stride(1), vn.stride(1), kw.stride(1), vw.stride(1), kw.stride(2),
+        vw.stride(2), splits_c, per, scaling, softcap or 1.0, kmag, vmag, *kt, *vt, KR=kr, VR=vr, PWK=pw, D=dim,
+        DP=dp, MASK_KIND=mask_kind, SOFTCAP=softcap is not None, CAUSAL=causal and mask is None, DECODE=dec,
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N,
         num_warps=8 if block_m > 16 or kr[0] == 8 else 4)  # 4 warps spill registers there
-    top = m.amax(1, keepdim=True)  # [BH, 1, rows]
-    w = torch.exp(m - torch.where(top > float("-inf"), top, torch.zeros_like(top)))
-    w = torch.where(m > float("-inf"), w, torch.zeros_like(w))
-    total = (l_ * w).sum(1)  # [BH, rows]
-    weighted = out * w[..., None]
-    acc = values.encoder.rotate_back(weighted[:, :splits_c].sum(1)[..., :dim]) if splits_c else 0
-    if splits_w:
-        acc = acc + weighted[:, splits_c:].sum(1)[..., :dim]
-    res = torch.where(total[..., None] > 0, acc / total.clamp_min(torch.finfo(torch.float32).tiny)[..., None], 0.0)
-    return res.reshape(bsz, hq, nq, dim).to(q.dtype)
+    res = torch.empty(bsz, nq, hq, dim, device=device, dtype=q.dtype)
+    _merge_kernel[(bsz * hkv, triton.cdiv(rows, MERGE_ROWS))](
+        out, m, l_, mv, res, hkv, hq, rows, nq, splits, splits_c, D=dim, DP=dp, BLOCK_R=MERGE_ROWS, num_warps=4)
+    return res.transpose(1, 2)

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import multiprocessors
 from .planes import RunLayout, plane_coordinates, plane_width, run_layouts, to_planes
 from .scan_triton import _magnitude
 
@@ -40,15 +41,11 @@ PROGRAMS_PER_SM = 4
 NUM_WARPS = 8
 
 
-def _sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 @triton.jit
-def _rotate_run(Y, X, RP, rows, rmask, d, pw, R: tl.constexpr, DK: tl.constexpr, BLOCK_N: tl.constexpr,
+def _rotate_run(Y, X, RP, rows, rmask, scale, d, pw, R: tl.constexpr, DK: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    """Write the planes of one run of the rotated rows, ``X @ RP[:, cols]``, to the program's scratch rows
-    of Y [BLOCK_N, pw] (float32)."""
+    """Write the planes of one run of the rotated rows, scaled per row, ``(scale X) @ RP[:, cols]``, to the
+    program's scratch rows of Y [BLOCK_N, pw] (float32)."""
     P: tl.constexpr = R[2]
     GP: tl.constexpr = R[4]
     STEP: tl.constexpr = R[5]
@@ -59,7 +56,7 @@ def _rotate_run(Y, X, RP, rows, rmask, d, pw, R: tl.constexpr, DK: tl.constexpr,
             for k0 in range(0, DK, BLOCK_K):
                 k = k0 + tl.arange(0, BLOCK_K)
                 xk = tl.load(X + rows[:, None].to(tl.int64) * d + k[None, :],
-                             mask=rmask[:, None] & (k[None, :] < d), other=0.0)
+                             mask=rmask[:, None] & (k[None, :] < d), other=0.0) * scale[:, None]
                 rk = tl.load(RP + k[:, None] * pw + cols[None, :], mask=k[:, None] < d, other=0.0)
                 y = tl.dot(xk, rk, y, input_precision=PRECISION)
             tl.store(Y + tl.arange(0, BLOCK_N)[:, None] * pw + cols[None, :], y)
@@ -139,11 +136,22 @@ def _encode_kernel(X, XN, RP, SCRATCH, n, d, pw, MAG, BND, ALPHAS, OUT, row_byte
     for blk in range(pid, tl.cdiv(n, BLOCK_N), programs):
         rows = blk * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < n
-        ss = tl.zeros((BLOCK_N,), tl.float32)
+        amax = tl.zeros((BLOCK_N,), tl.float32)
         for k0 in range(0, DK, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             xk = tl.load(XN + rows[:, None].to(tl.int64) * d + k[None, :], mask=rmask[:, None] & (k[None, :] < d),
                          other=0.0)
+            amax = tl.maximum(amax, tl.max(tl.abs(xk), axis=1))
+        # Rows are scaled by a power of two that brings their largest coordinate near 1 (exact), so no sum
+        # of squares under- or overflows; the codes are those of the rows as given, the norm is scaled back.
+        e = tl.minimum(tl.maximum(127 - ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF), -126), 126)
+        scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
+        unscale = ((127 - e) << 23).to(tl.float32, bitcast=True)
+        ss = tl.zeros((BLOCK_N,), tl.float32)
+        for k0 in range(0, DK, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            xk = tl.load(XN + rows[:, None].to(tl.int64) * d + k[None, :], mask=rmask[:, None] & (k[None, :] < d),
+                         other=0.0) * scale[:, None]
             ss += tl.sum(xk * xk, axis=1)
         norm = tl.sqrt(ss)
         inv = 1.0 / tl.where(norm > 0, norm, 1.0)
@@ -151,15 +159,16 @@ def _encode_kernel(X, XN, RP, SCRATCH, n, d, pw, MAG, BND, ALPHAS, OUT, row_byte
             Y = SCRATCH + pid * BLOCK_N * pw
             yrows = tl.arange(0, BLOCK_N).to(tl.int64)
             tl.debug_barrier()  # the previous block's reads of the scratch rows are done
-            _rotate_run(Y, X, RP, rows, rmask, d, pw, R0, DK, BLOCK_N, BLOCK_K, PRECISION)
+            _rotate_run(Y, X, RP, rows, rmask, scale, d, pw, R0, DK, BLOCK_N, BLOCK_K, PRECISION)
             if R1[3] > 0:
-                _rotate_run(Y, X, RP, rows, rmask, d, pw, R1, DK, BLOCK_N, BLOCK_K, PRECISION)
+                _rotate_run(Y, X, RP, rows, rmask, scale, d, pw, R1, DK, BLOCK_N, BLOCK_K, PRECISION)
             if R2[3] > 0:
-                _rotate_run(Y, X, RP, rows, rmask, d, pw, R2, DK, BLOCK_N, BLOCK_K, PRECISION)
+                _rotate_run(Y, X, RP, rows, rmask, scale, d, pw, R2, DK, BLOCK_N, BLOCK_K, PRECISION)
             tl.debug_barrier()  # the planes are written
-        else:
+        else:  # the rotated rows as given: their directions are |y| scale / ||scale x||
             Y = X
             yrows = rows.to(tl.int64)
+            inv = inv * scale
         dots = tl.zeros((BLOCK_N, AP), tl.float32)
         sqs = tl.zeros((BLOCK_N, AP), tl.float32)
         dots, sqs = _search_run(dots, sqs, Y, pw, yrows, rmask, inv, MAG, BND, ALPHAS, R0, A, AP, BLOCK_N)
@@ -180,7 +189,7 @@ def _encode_kernel(X, XN, RP, SCRATCH, n, d, pw, MAG, BND, ALPHAS, OUT, row_byte
         if R2[3] > 0:
             dot, sq = _emit_run(dot, sq, Y, pw, yrows, rows, rmask, inv, alpha, MAG, BND, OUT, row_bytes, R2,
                                 BLOCK_N)
-        tl.store(NORM + rows, norm, mask=rmask)
+        tl.store(NORM + rows, norm * unscale, mask=rmask)
         tl.store(DOT + rows, dot, mask=rmask)
         tl.store(SQ + rows, sq, mask=rmask)
 
@@ -194,19 +203,28 @@ def _planar_rotation(rotation: Any, layouts: tuple[RunLayout, ...]) -> Tensor:
     return r[coords].T.contiguous()
 
 
+@lru_cache(maxsize=32)
+def _run_tables(runs: tuple[Any, ...], alphas: Tensor) -> tuple[list[RunLayout], Tensor, Tensor, Tensor]:
+    """The runs' layouts, magnitudes and boundaries, and the pre-scales, on the device of the runs'
+    codebooks, cached per codebook and pre-scale tensors (the encoder's cached device copies)."""
+    layouts, mags, bounds = run_layouts(runs)
+    device = alphas.device
+    return layouts, mags.to(device), bounds.to(device), alphas.float().contiguous()
+
+
 def encode_directions_triton(x: Tensor, rotation: Any, runs: Sequence[Any], alphas: Tensor
                              ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """:func:`tqindex.directions.encode_directions` by the GPU kernel (module notes): x float32 [N, d]
     -> (qdata uint8 [N, bytes], ||y|| [N], <u, c> [N], ||c||² [N])."""
-    layouts, mags, bounds = run_layouts(runs)
     if len(alphas) > MAX_ALPHAS:
         raise ValueError(f"the GPU encoder tries at most {MAX_ALPHAS} pre-scales, got {len(alphas)}")
+    layouts, mags, bounds, alphas = _run_tables(tuple(runs), alphas.to(x.device))
     device, (n, d) = x.device, x.shape
     pw = plane_width(layouts)
     x = x.float().contiguous()
     rotate = rotation.matmul_matrix is not None
     blocks = triton.cdiv(n, BLOCK_N)
-    programs = min(blocks, PROGRAMS_PER_SM * _sms(device)) if device.type == "cuda" else blocks
+    programs = min(blocks, PROGRAMS_PER_SM * multiprocessors(device)) if device.type == "cuda" else blocks
     if rotate:
         src, rp = x, _planar_rotation(rotation, tuple(layouts))
         scratch = torch.empty(max(programs, 1), BLOCK_N, pw, device=device)
@@ -218,8 +236,7 @@ def encode_directions_triton(x: Tensor, rotation: Any, runs: Sequence[Any], alph
     norm, dot, sq = (torch.empty(n, device=device) for _ in range(3))
     if n:
         _encode_kernel[(programs,)](
-            src, x, rp, scratch, n, d, pw, mags.to(device), bounds.to(device),
-            alphas.float().contiguous().to(device), qdata,
+            src, x, rp, scratch, n, d, pw, mags, bounds, alphas, qdata,
             row_bytes, norm, dot, sq, R0=tuple(layouts[0]), R1=tuple(layouts[1]), R2=tuple(layouts[2]),
             A=len(alphas), AP=max(2, triton.next_power_of_2(len(alphas))), ROTATE=rotate,
             DK=triton.cdiv(d, BLOCK_K) * BLOCK_K, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,

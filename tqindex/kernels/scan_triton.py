@@ -34,6 +34,7 @@ from torch import Tensor
 from ..codes import Codes
 from ..scorer import CodeRunList, Scorer
 from ..topk import TopK
+from . import multiprocessors
 from .planes import RunLayout, run_layouts, to_planes
 
 BLOCK_N = 64
@@ -456,7 +457,7 @@ class TritonScorer(Scorer):
         n, m, kt = len(codes), len(qp), candidate_depth(k)
         common = self._common(m)
         block_n, q_blocks = common["BLOCK_N"], triton.cdiv(m, common["BLOCK_Q"])
-        sms = torch.cuda.get_device_properties(qp.device).multi_processor_count if qp.is_cuda else 4
+        sms = multiprocessors(qp.device)
         splits = max(1, min(triton.cdiv(n, 4 * block_n), triton.cdiv(PROGRAMS_PER_SM * sms, q_blocks)))
         per_split = triton.cdiv(triton.cdiv(n, splits), block_n) * block_n
         splits = triton.cdiv(n, per_split)
