@@ -37,7 +37,14 @@ from .scan_triton import _groups, _level, _nibble_levels, _plane_levels, default
 
 BLOCK_N = 64
 """Key tokens per tile."""
-PROGRAMS_PER_SM = 4
+PROGRAMS_PER_SM = 8
+"""Programs per multiprocessor a decode step's splits aim at (the split count follows from it)."""
+MIN_SPLIT_TOKENS = 256
+"""Least compressed tokens per program: fewer splits for the merge to combine where the past is short."""
+DECODE_WARPS = 4
+"""Warps per program of a decode step (16-row blocks; 8 where codes are 8-bit, else registers spill)."""
+NUM_STAGES = 2
+"""Software-pipelining stages of the token loop (measured best of 1-4 on an H200 with 64-token tiles)."""
 WINDOW_SPLIT = 1024
 """Window tokens per program (prefill chunks are long windows)."""
 MERGE_ROWS = 16
@@ -134,7 +141,7 @@ def _query_rows(Q, b, kvh, r, rows, nq, q_sb, q_sh, q_sq):
 
 @triton.jit
 def _query_kernel(Q, MQ, QP, QSC, hkv, rows, nq, q_sb, q_sh, q_sq, D: tl.constexpr, DP: tl.constexpr,
-                  PW: tl.constexpr, PWP: tl.constexpr, BLOCK_R: tl.constexpr):
+                  PW: tl.constexpr, PWP: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
     """Program (batch row x KV head ``bh``, row block): its query rows rotated into planar order,
     ``q MQ`` (MQ float32 [DP, PWP]: the rotation's columns in planar order, zero padded), divided by a
     power of two per row so that the largest coordinate is near 1; written f16 to QP [bh * rows + r, PW],
@@ -146,7 +153,7 @@ def _query_kernel(Q, MQ, QP, QSC, hkv, rows, nq, q_sb, q_sh, q_sq, D: tl.constex
     c = tl.arange(0, PWP)
     q_rows = _query_rows(Q, bh // hkv, bh % hkv, r, rows, nq, q_sb, q_sh, q_sq)
     q = tl.load(q_rows[:, None] + d[None, :], mask=ok[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
-    y = tl.dot(q, tl.load(MQ + d[:, None] * PWP + c[None, :]), input_precision="ieee")
+    y = tl.dot(q, tl.load(MQ + d[:, None] * PWP + c[None, :]), input_precision=PRECISION)
     amax = tl.max(tl.abs(y), axis=1)
     scale = tl.where(amax > 0, tl.exp2(tl.ceil(tl.log2(tl.maximum(amax, 1e-30)))), 1.0)
     i = bh.to(tl.int64) * rows + r
@@ -240,8 +247,17 @@ def _attention_kernel(
 
 
 @triton.jit
+def _merge_split(acc, total, OUT, M, L, at, ok, shift, DP: tl.constexpr):
+    """Add one split's partial sums (rows at ``at``), weighted by exp(m - shift), to acc and total."""
+    m = tl.load(M + at, mask=ok, other=float("-inf"))
+    w = tl.where(m > float("-inf"), tl.exp2((m - shift) * LOG2E), 0.0)
+    part = tl.load(OUT + at[:, None] * DP + tl.arange(0, DP)[None, :], mask=ok[:, None], other=0.0)
+    return acc + part * w[:, None], total + tl.load(L + at, mask=ok, other=0.0) * w
+
+
+@triton.jit
 def _merge_kernel(OUT, M, L, MV, RES, hkv, hq, rows, nq, splits, splits_c, D: tl.constexpr, DP: tl.constexpr,
-                  BLOCK_R: tl.constexpr):
+                  BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
     """Program (batch row x KV head ``bh``, row block): the log-sum-exp merge of the splits' partial softmaxes
     (OUT [bh, split, rows, DP], M / L [bh, split, rows]), the compressed splits' sum rotated back by
     MV float32 [DP, DP] (the value rotation's inverse, zero padded), plus the window splits' sum, divided
@@ -258,16 +274,11 @@ def _merge_kernel(OUT, M, L, MV, RES, hkv, hq, rows, nq, splits, splits_c, D: tl
     total = tl.zeros((BLOCK_R,), tl.float32)
     acc_c = tl.zeros((BLOCK_R, DP), tl.float32)
     acc_w = tl.zeros((BLOCK_R, DP), tl.float32)
-    for sp in range(splits):
-        m = tl.load(M + base + sp * rows, mask=ok, other=float("-inf"))
-        w = tl.where(m > float("-inf"), tl.exp2((m - shift) * LOG2E), 0.0)
-        total += tl.load(L + base + sp * rows, mask=ok, other=0.0) * w
-        part = tl.load(OUT + (base + sp * rows)[:, None] * DP + d[None, :], mask=ok[:, None], other=0.0) * w[:, None]
-        if sp < splits_c:
-            acc_c += part
-        else:
-            acc_w += part
-    acc = tl.dot(acc_c, tl.load(MV + d[:, None] * DP + d[None, :]), input_precision="ieee") + acc_w
+    for sp in range(splits_c):  # the compressed splits: in the value encoder's rotated domain
+        acc_c, total = _merge_split(acc_c, total, OUT, M, L, base + sp * rows, ok, shift, DP)
+    for sp in range(splits_c, splits):  # the window's
+        acc_w, total = _merge_split(acc_w, total, OUT, M, L, base + sp * rows, ok, shift, DP)
+    acc = tl.dot(acc_c, tl.load(MV + d[:, None] * DP + d[None, :]), input_precision=PRECISION) + acc_w
     res = tl.where(total[:, None] > 0, acc / tl.maximum(total, 1.1754943508222875e-38)[:, None], 0.0)
     b, h = bh // hkv, (bh % hkv) * (rows // nq) + r // nq
     at = ((b.to(tl.int64) * nq + r % nq) * hq + h) * D
@@ -336,16 +347,17 @@ def compressed_attention_triton(q: Tensor, keys: Any, values: Any, mask: Tensor 
     pw = kr[2] * kr[4]  # the key run's planes x padded groups
     block_m = 16 if rows <= 16 else 64
     row_blocks = triton.cdiv(rows, block_m)
+    precision = "tf32x3" if q.is_cuda else "ieee"  # float32 accuracy on tensor cores (the interpreter: ieee)
     qp = torch.empty(bsz * hkv * rows, pw, device=device, dtype=torch.float16)
     qsc = torch.empty(bsz * hkv * rows, device=device)
     _query_kernel[(bsz * hkv, triton.cdiv(rows, MERGE_ROWS))](
         q, mq, qp, qsc, hkv, rows, nq, q.stride(0), q.stride(1), q.stride(2), D=dim, DP=dp, PW=pw, PWP=mq.shape[1],
-        BLOCK_R=MERGE_ROWS, num_warps=4)
+        BLOCK_R=MERGE_ROWS, PRECISION=precision, num_warps=4)
     splits_c = 0
     per = BLOCK_N
     if tc:
         want = max(1, triton.cdiv(PROGRAMS_PER_SM * multiprocessors(device), bsz * hkv * row_blocks))
-        per = triton.cdiv(triton.cdiv(tc, min(want, triton.cdiv(tc, BLOCK_N))), BLOCK_N) * BLOCK_N
+        per = triton.cdiv(triton.cdiv(tc, min(want, triton.cdiv(tc, MIN_SPLIT_TOKENS))), BLOCK_N) * BLOCK_N
         splits_c = triton.cdiv(tc, per)
     splits_w = triton.cdiv(tw, WINDOW_SPLIT) if tw else 0
     splits = splits_c + splits_w
@@ -364,8 +376,9 @@ def compressed_attention_triton(q: Tensor, keys: Any, values: Any, mask: Tensor 
         vw.stride(2), splits_c, per, scaling, softcap or 1.0, kmag, vmag, *kt, *vt, KR=kr, VR=vr, PWK=pw, D=dim,
         DP=dp, MASK_KIND=mask_kind, SOFTCAP=softcap is not None, CAUSAL=causal and mask is None, DECODE=dec,
         BLOCK_M=block_m, BLOCK_N=BLOCK_N,
-        num_warps=8 if block_m > 16 or kr[0] == 8 else 4)  # 4 warps spill registers there
+        num_warps=8 if block_m > 16 or kr[0] == 8 else DECODE_WARPS, num_stages=NUM_STAGES)
     res = torch.empty(bsz, nq, hq, dim, device=device, dtype=q.dtype)
     _merge_kernel[(bsz * hkv, triton.cdiv(rows, MERGE_ROWS))](
-        out, m, l_, mv, res, hkv, hq, rows, nq, splits, splits_c, D=dim, DP=dp, BLOCK_R=MERGE_ROWS, num_warps=4)
+        out, m, l_, mv, res, hkv, hq, rows, nq, splits, splits_c, D=dim, DP=dp, BLOCK_R=MERGE_ROWS,
+        PRECISION=precision, num_warps=4)
     return res.transpose(1, 2)
