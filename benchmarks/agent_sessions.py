@@ -451,9 +451,18 @@ def markdown(data: dict[str, Any]) -> str:
         for n, v in data["stream"].items():
             sess = runs.get(n, {}).get("summary", {}).get("all", {}).get("agreement")
             lines.append(f"| {n} | {_fmt(sess, '.3f')} | {v['agreement']:.3f} |")
+    if "random weights" in m["name"]:
+        lines += ["", "With random weights the greedy tokens are near ties: agreement says nothing about quality "
+                  "here (quality is measured on SmolLM2, on the CPU)."]
     tl = targets(data)
     if tl:
-        lines += ["", f"Targets of the H200 configuration, over the late rounds ({a['late_round']} on):", ""] + tl
+        target = PRESETS["llama8b-random"]
+        same = a["sessions"] == target["sessions"] and a["budget"] == parse_bytes(target["budget"])
+        where = ("" if same else f" (the targets' protocol is {target['sessions']} sessions under {target['budget']}; "
+                 f"this run is smaller: {a['sessions']} sessions x {a['rounds']} rounds under "
+                 f"{a['budget'] / 1e9:.0f} GB)")
+        lines += ["", f"Targets of the H200 configuration, over the late rounds ({a['late_round']} on){where}:",
+                  ""] + tl
     return "\n".join(lines) + "\n"
 
 
