@@ -25,7 +25,8 @@ with the ``fp8`` backend (E4M3, one scale per tensor frozen at the prefill) and 
 ``FP8Cache`` (E4M3, one scale per token and head); tqindex ``TQCache`` presets tq2 / tq3 / tq4 (TurboQuant
 keys and values at 2 / 3 / 4 bits), k8v4, k3v4 (8- or 3-bit keys, 4-bit values) and fp4 (FP4-UE8M0),
 named ``{preset}-r{residual_length}-p{protected_layers}``, keys centered (``center_keys``) unless the name
-ends in ``-nc``; ``policy-b{bits}``: a per-layer policy chosen by :func:`tqindex.kv.calibrate` for an
+ends in ``-nc``, with per-channel key scales (:func:`tqindex.kv.key_scales`, calibrated on the third text
+below) where it ends in ``-ks``; ``policy-b{bits}``: a per-layer policy chosen by :func:`tqindex.kv.calibrate` for an
 average of at most ``bits`` bits per element at ``--tokens`` tokens of context, calibrated on a third
 text (:data:`_lm.CALIBRATION_TOPICS`, disjoint from both). tqindex runs use the ``"tqindex"`` attention
 implementation (attention computed from the codes).
@@ -48,6 +49,7 @@ import argparse
 import copy
 import json
 import math
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -76,8 +78,8 @@ TQ_PRESETS = ("tq2", "tq3", "tq4", "k8v4", "k3v4", "fp4")
 NEEDLE_BITS = 2.75  # the needle must be found by every configuration of at least this many bits per element
 DEFAULT_CONFIGS = (
     "dynamic", "fp8", "quanto-int4-r128",
-    "tq4-r0-p0", "tq4-r0-p0-nc", "tq4-r128-p0", "tq3-r0-p0", "tq2-r0-p0",
-    "policy-b3.25", "policy-b2.5",
+    "tq4-r0-p0", "tq4-r0-p0-nc", "tq4-r0-p0-ks", "tq4-r128-p0", "tq3-r0-p0", "tq3-r0-p0-ks", "tq2-r0-p0",
+    "tq2-r0-p0-ks", "policy-b3.25", "policy-b2.5",
 )
 QUICK_CONFIGS = ("dynamic", "tq4-r128-p2")
 CALIBRATION: dict[str, Any] = {}
@@ -100,6 +102,7 @@ class CacheSpec:
     residual_length: int | None = None
     protected_layers: int | None = None
     budget_bits: float | None = None
+    key_scales: bool = False
 
 
 def cache_spec(name: str) -> CacheSpec:
@@ -110,7 +113,7 @@ def cache_spec(name: str) -> CacheSpec:
     """
     from transformers import DynamicCache, QuantizedCache
 
-    from tqindex.kv import FP8Cache, policy_for_budget
+    from tqindex.kv import FP8Cache, KVPolicy, policy_for_budget
 
     if name == "dynamic":
         return CacheSpec(name, "reference", "DynamicCache, float32 (full precision)",
@@ -146,25 +149,32 @@ def cache_spec(name: str) -> CacheSpec:
                          f"QuantizedCache quanto int{bits}, groups of 64, residual {res}",
                          lambda cfg: QuantizedCache("quanto", cfg, nbits=bits, residual_length=res),
                          residual_length=res)
-    center = not name.endswith("-nc")
-    parts = name.removesuffix("-nc").split("-")
+    scaled = name.endswith("-ks")
+    center = not name.removesuffix("-ks").endswith("-nc")
+    parts = name.removesuffix("-ks").removesuffix("-nc").split("-")
     if (len(parts) == 3 and parts[0] in TQ_PRESETS and parts[1][:1] == "r" and parts[2][:1] == "p"
             and parts[1][1:].isdigit() and parts[2][1:].isdigit()):
         preset, res, prot = parts[0], int(parts[1][1:]), int(parts[2][1:])
+        pair = re.fullmatch(r"k(\d)v(\d)", preset)
+        kenc, venc = (preset, preset) if not pair else (f"tq{pair[1]}", f"tq{pair[2]}")
 
         def make(cfg: Any) -> Any:
-            if preset.startswith("tq"):
-                return TQCache(cfg, key_encoder=preset, value_encoder=preset,
-                               residual_length=res, protected_layers=prot, center_keys=center)
-            return TQCache.preset(cfg, preset, residual_length=res, protected_layers=prot, center_keys=center)
+            if scaled:
+                if "key_scales" not in CALIBRATION:
+                    raise RuntimeError("-ks configurations need the key scales measured by main()")
+                layers = len(DynamicCache(config=cfg).layers)
+                policy = KVPolicy.uniform(layers, kenc, venc, res, prot, center)
+                return TQCache(cfg, policy=policy.with_key_scales(CALIBRATION["key_scales"]))
+            return TQCache(cfg, key_encoder=kenc, value_encoder=venc, residual_length=res, protected_layers=prot,
+                           center_keys=center)
 
         kv = {"tq2": "tq2 keys + values", "tq3": "tq3 keys + values", "tq4": "tq4 keys + values",
               "k8v4": "tq8 keys, tq4 values", "k3v4": "tq3 keys, tq4 values",
               "fp4": "FP4-UE8M0 keys + values"}[preset]
-        keys = "centered keys" if center else "keys not centered"
+        keys = ("centered keys" if center else "keys not centered") + (", calibrated key scales" if scaled else "")
         return CacheSpec(name, "tqindex", f"TQCache {kv}, residual {res}, {prot}+{prot} protected layers, {keys}",
-                         make, "tqindex", preset, res, prot)
-    known = ("dynamic, fp8, fp8-tq, quanto-int{2,4}-r{N}, {" + ",".join(TQ_PRESETS) + "}-r{N}-p{N}[-nc], "
+                         make, "tqindex", preset, res, prot, key_scales=scaled)
+    known = ("dynamic, fp8, fp8-tq, quanto-int{2,4}-r{N}, {" + ",".join(TQ_PRESETS) + "}-r{N}-p{N}[-nc][-ks], "
              "policy-b{bits}")
     raise ValueError(f"unknown configuration {name!r}; known forms: {known}")
 
@@ -460,8 +470,9 @@ def markdown(result: dict[str, Any]) -> str:
                  + f" ({len(t['checked'])} rows checked)")
     if result.get("calibration"):
         c = result["calibration"]
-        lines += ["", f"Policies calibrated on {c['text']['topics']} ({c['tokens']} tokens, "
-                      f"{c['time_s']:.0f} s); layer by layer:", ""]
+        what = "Policies" if c["policies"] else "Key scales"
+        lines += ["", f"{what} calibrated on {c['text']['topics']} ({c['tokens']} tokens, "
+                      f"{c['time_s']:.0f} s)" + ("; layer by layer:" if c["policies"] else "."), ""]
         for name, policy in c["policies"].items():
             lines += [f"`{name}` ({policy['bits']:.2f} bits per element at {c['context_tokens']} tokens):", "",
                       "```", policy["describe"], "```", ""]
@@ -511,7 +522,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the benchmark; print the markdown table; write ``--out``.json/.md if set. -> the result."""
-    from tqindex.kv import measure_sensitivity, policy_for_budget
+    from tqindex.kv import key_scales, measure_sensitivity, policy_for_budget
 
     args = parse_args(argv)
     specs = [cache_spec(name) for name in ["dynamic", *(c for c in args.configs if c != "dynamic")]]  # the
@@ -533,18 +544,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         needle = {"sentence": NEEDLE, "question": QUESTION, "position": position,
                   "prompt_tokens": needle_ids.shape[1], "filler": _lm.text_info(_lm.filler_text(), _lm.FILLER_TOPICS)}
     calibration = None
-    if any(spec.budget_bits is not None for spec in specs):
+    if any(spec.budget_bits is not None or spec.key_scales for spec in specs):
         t1 = time.perf_counter()
         text = _lm.calibration_text()
         ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[:, :args.calibration_tokens]
-        CALIBRATION.update(sensitivity=measure_sensitivity(model, ids, prefix=ids.shape[1] - 64, scored=64),
-                           context_tokens=args.tokens)
+        CALIBRATION.update(key_scales=key_scales(model, ids), context_tokens=args.tokens)
+        if any(spec.budget_bits is not None for spec in specs):
+            CALIBRATION.update(sensitivity=measure_sensitivity(model, ids, prefix=ids.shape[1] - 64, scored=64))
         policies = {spec.name: policy_for_budget(CALIBRATION["sensitivity"], spec.budget_bits,
                                                  context_tokens=args.tokens)
                     for spec in specs if spec.budget_bits is not None}
         calibration = {"text": _lm.text_info(text, _lm.CALIBRATION_TOPICS), "tokens": ids.shape[1],
                        "context_tokens": args.tokens, "time_s": time.perf_counter() - t1,
-                       "sensitivity": CALIBRATION["sensitivity"].to_dict(),
+                       "sensitivity": CALIBRATION["sensitivity"].to_dict() if "sensitivity" in CALIBRATION else None,
+                       "key_scales": [None if t is None else t.tolist() for t in CALIBRATION["key_scales"]],
                        "policies": {name: {"bits": p.calibration["bits"], "predicted_kl": p.calibration["predicted_kl"],
                                            "describe": p.describe(), "policy": p.to_dict()}
                                     for name, p in policies.items()}}

@@ -106,3 +106,21 @@ def test_generate_with_the_kernel_equals_the_reference_cache():
         cache = TQCache(model.config, "tq8", "tq8", residual_length=4, protected_layers=0, backend=backend)
         out.append(model.generate(input_ids=ids, max_new_tokens=6, do_sample=False, **{kw: cache}))
     assert torch.equal(out[0], out[1])
+
+
+def test_scaled_keys():
+    """Keys held divided by per-channel scales: the kernel reads them with the queries scaled."""
+    from tqindex.kv.attention import compressed_attention
+
+    g = torch.Generator().manual_seed(5)
+    scale = torch.rand(2, 64, generator=g) + 0.5
+    store = KVStore(tq.make_encoder("tq4", 64), tq.make_encoder("tq4", 64), 0, True, scale)
+    k, v = torch.randn(1, 2, 301, 64, generator=g), torch.randn(1, 2, 301, 64, generator=g)
+    store.append(k[:, :, :300].to(DEVICE), v[:, :, :300].to(DEVICE))
+    store.append(k[:, :, 300:].to(DEVICE), v[:, :, 300:].to(DEVICE))
+    keys, values = store.view()
+    q = torch.randn(1, 4, 1, 64, generator=g).to(DEVICE).half()
+    want = compressed_attention_ref(q.float(), keys, values, None, 0.125)
+    got = compressed_attention(q, keys, values, None, 0.125, backend="triton")
+    assert got.dtype == torch.float16
+    assert float((got.float() - want).norm() / want.norm()) < 2e-3

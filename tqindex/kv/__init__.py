@@ -36,12 +36,13 @@ __all__ = [
     "compressed_attention",
     "compressed_attention_ref",
     "dense_attention",
+    "key_scales",
     "measure_sensitivity",
     "policy_for_budget",
 ]
 
 try:  # importing hf registers the "tqindex" attention implementation with transformers
-    from .calibrate import Sensitivity, calibrate, measure_sensitivity, policy_for_budget
+    from .calibrate import Sensitivity, calibrate, key_scales, measure_sensitivity, policy_for_budget
     from .fp8 import FP8Cache, FP8Layer
     from .hf import TQCache, TQLayer
 except ImportError as err:  # transformers missing: storage and attention still work
@@ -50,7 +51,7 @@ except ImportError as err:  # transformers missing: storage and attention still 
     _HF_ERROR = err
 
     def __getattr__(name: str) -> Any:
-        if name in ("TQCache", "TQLayer", "FP8Cache", "FP8Layer", "calibrate", "measure_sensitivity",
+        if name in ("TQCache", "TQLayer", "FP8Cache", "FP8Layer", "calibrate", "key_scales", "measure_sensitivity",
                     "policy_for_budget", "Sensitivity"):
             raise ImportError(
                 f"tqindex.kv.{name} needs transformers >= 5.0: pip install 'tqindex[kv]' ({_HF_ERROR})"

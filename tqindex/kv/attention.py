@@ -53,10 +53,11 @@ def compressed_attention(
     hkv, total, tc = _check(q, keys, values)
     if not isinstance(block_tokens, int) or block_tokens < 1:
         raise ValueError(f"block_tokens must be an integer >= 1, got {block_tokens!r}")
+    dtype, q = q.dtype, _scaled_queries(q, keys)
     if _fused(q, keys, values, mask, backend) == "triton":
         from ..kernels.attention_triton import compressed_attention_triton  # imports triton
 
-        return compressed_attention_triton(q, keys, values, mask, scaling, softcap, causal)
+        return compressed_attention_triton(q, keys, values, mask, scaling, softcap, causal).to(dtype)
     groups = hq // hkv
     qg = q.float().reshape(b, hkv, groups * nq, q.shape[-1])  # [B, Hkv, G*Q, Dk]
     state = _OnlineSoftmax(qg.shape[:3], values.shape[-1], q.device)
@@ -74,7 +75,7 @@ def compressed_attention(
         w1 = min(w0 + block_tokens, total - tc)
         k = keys.window[:, :, w0:w1].float()  # [B, Hkv, n, Dk]
         state.add(logits(qg @ k.mT, tc + w0, tc + w1), values.window[:, :, w0:w1].float())
-    return state.result().reshape(b, hq, nq, -1).to(q.dtype)
+    return state.result().reshape(b, hq, nq, -1).to(dtype)
 
 
 def _fused(q: Tensor, keys: CompressedTokens, values: CompressedTokens, mask: Tensor | None,
@@ -99,7 +100,15 @@ def compressed_attention_ref(
     """Reference for :func:`compressed_attention`: decode all K/V, then :func:`dense_attention`."""
     _check(q, keys, values)
     k, v = keys.materialize(torch.float32), values.materialize(torch.float32)
-    return dense_attention(q, k, v, mask, scaling, softcap=softcap, causal=causal)
+    return dense_attention(_scaled_queries(q, keys), k, v, mask, scaling, softcap=softcap, causal=causal).to(q.dtype)
+
+
+def _scaled_queries(q: Tensor, keys: CompressedTokens) -> Tensor:
+    """q [B, Hq, Q, Dk] multiplied by the keys' ``query_scale`` (float32; query head h by KV head
+    h // (Hq / Hkv)'s), or q itself."""
+    if keys.query_scale is None:
+        return q
+    return q.float() * keys.query_scale.repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
 
 
 def dense_attention(

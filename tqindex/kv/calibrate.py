@@ -14,6 +14,12 @@ their attention to the compressed prefix is measured, which is what a decoded to
 
 The calibration text should be unrelated to the text the cache will be judged on. The result is a plain
 :class:`~tqindex.kv.policy.KVPolicy`: save it, read it, edit it, pass it to ``TQCache(config, policy=...)``.
+
+:func:`key_scales` measures the other calibrated option, per-channel key scales (see
+:mod:`tqindex.kv.store`): for each layer, KV head and channel i, from the root mean squares of the
+queries (of the heads sharing that KV head) and of the keys (centered) over a calibration text,
+``s_i = sqrt(rms(k_i) / rms(q_i))``, which minimizes ``||q s|| · ||k / s||`` (Cauchy-Schwarz), the size
+of the score error of codes spread evenly over the held key's channels.
 """
 
 from __future__ import annotations
@@ -156,3 +162,49 @@ def calibrate(model: Any, tokens: Tensor, budget_bits: float, *, bits: tuple[int
     sensitivity = measure_sensitivity(model, tokens, bits=bits, prefix=prefix, scored=scored,
                                       center_keys=center_keys, backend=backend)
     return policy_for_budget(sensitivity, budget_bits, allow_dense=allow_dense, context_tokens=context_tokens)
+
+
+_CAPTURE = "tqindex-calibrate-capture"
+
+
+def key_scales(model: Any, tokens: Tensor) -> list[Tensor | None]:
+    """Per-channel key scales of every layer (module notes) from one pass of the model over calibration ids
+    ``tokens`` [1, T]: float32 [KV heads, key head dim] for full-attention layers, normalized to a geometric
+    mean of 1 per head, None for layers without keys of their own. Use them through a policy
+    (:meth:`~tqindex.kv.policy.KVPolicy.with_key_scales`). The model's attention implementation is
+    restored afterwards."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    tokens = tokens.reshape(1, -1) if isinstance(tokens, Tensor) and tokens.dim() == 1 else tokens
+    if not isinstance(tokens, Tensor) or tokens.dim() != 2 or tokens.shape[0] != 1 or tokens.shape[1] < 2:
+        got = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
+        raise ValueError(f"tokens must be ids [1, T] with T >= 2, got {got}")
+    squares: dict[int, tuple[Tensor, Tensor]] = {}
+
+    def capture(module: Any, query: Tensor, key: Tensor, value: Tensor, *args: Any, **kwargs: Any) -> Any:
+        hkv, d = key.shape[1], key.shape[-1]
+        q = query.float().reshape(query.shape[0], hkv, -1, query.shape[2], d)  # [B, Hkv, G, Q, D]
+        k = key.float() - key.float().mean(2, keepdim=True)
+        squares[module.layer_idx] = (q.square().mean((0, 2, 3)), k.square().mean((0, 2)))  # [Hkv, D] each
+        return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
+
+    AttentionInterface.register(_CAPTURE, capture)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(_CAPTURE)
+    try:
+        with torch.inference_mode():
+            model(input_ids=tokens.to(next(model.parameters()).device), use_cache=False)
+    finally:
+        model.set_attn_implementation(previous)
+    layers = len(DynamicCache(config=model.config).layers)
+    scales: list[Tensor | None] = []
+    for i in range(layers):
+        if i not in squares:
+            scales.append(None)
+            continue
+        q2, k2 = squares[i]
+        floor = torch.finfo(torch.float32).tiny
+        log_s = 0.25 * (k2.clamp_min(floor).log() - q2.clamp_min(floor).log())  # log sqrt(rms_k / rms_q)
+        scales.append((log_s - log_s.mean(-1, keepdim=True)).exp().cpu())
+    return scales

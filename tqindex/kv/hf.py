@@ -46,7 +46,7 @@ from .. import kernels
 from ..checks import check_bool, check_int
 from ..encoder import Encoder, encoder_names, make_encoder
 from ..turboquant import MSE_BITS
-from .attention import compressed_attention, compressed_attention_ref, dense_attention
+from .attention import compressed_attention, compressed_attention_ref, dense_attention, _scaled_queries
 from .policy import KVPolicy, encoder_for
 from .store import CompressedTokens, KVStore, encoder_from_key, encoder_key
 
@@ -86,6 +86,7 @@ def tq_attention_forward(
             attend = compressed_attention_ref if _tracing() else compressed_attention
             out = attend(query, key, value, attention_mask, scaling, softcap=softcap, causal=causal)
             return out.transpose(1, 2).contiguous(), None
+        query = _scaled_queries(query, key).to(query.dtype)  # the window holds keys as the codes would
         key, value = key.window, value.window  # nothing compressed yet (prefill): all full precision
     if softcap is None:
         return sdpa_attention_forward(
@@ -119,10 +120,11 @@ class TQLayer(CacheLayerMixin):
         residual_length: int,
         config: PreTrainedConfig | None = None,
         center_keys: bool = False,
+        key_scale: Tensor | None = None,
     ) -> None:
         # CacheLayerMixin.__init__ is not called: it assigns ``keys`` / ``values``, which are read-only here.
         self.is_initialized = False
-        self.store = KVStore(key_encoder, value_encoder, residual_length, center_keys)
+        self.store = KVStore(key_encoder, value_encoder, residual_length, center_keys, key_scale)
         self.config = config
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "TQLayer":
@@ -184,7 +186,8 @@ class TQLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         store = self.store
-        self.store = KVStore(store.key_encoder, store.value_encoder, store.residual_length, store.center_keys)
+        self.store = KVStore(store.key_encoder, store.value_encoder, store.residual_length, store.center_keys,
+                             store.key_scale)
         self.is_initialized = False
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -372,7 +375,8 @@ class TQCache(DynamicCache):
                 continue
             keys = encoder_for(entry.key_encoder, dims[0], self.backend)
             values = encoder_for(entry.value_encoder, dims[1], self.backend)
-            layers.append(TQLayer(keys, values, entry.residual_length, self._text_config, center))
+            scale = None if entry.key_scale is None else torch.tensor(entry.key_scale)
+            layers.append(TQLayer(keys, values, entry.residual_length, self._text_config, center, scale))
         return layers
 
     def _add_layers(self, layer_idx: int, key_states: Tensor, value_states: Tensor) -> None:
@@ -575,6 +579,7 @@ class _StoreSpec:
     residual_length: int
     tensors: int
     center_keys: bool
+    scaled: bool  # the store's key_scale follows its tensors
 
 
 def _flatten_object(obj: Any, path: str, leaves: list[tuple[str, Tensor]]) -> tuple[type, tuple]:
@@ -589,7 +594,11 @@ def _flatten_object(obj: Any, path: str, leaves: list[tuple[str, Tensor]]) -> tu
         elif isinstance(value, KVStore):
             tensors = value.tensors()
             leaves += [(f"{path}{name}.{j}", t) for j, t in enumerate(tensors)]
-            value = _StoreSpec(value._key_id, value._value_id, value.residual_length, len(tensors), value.center_keys)
+            scaled = value.key_scale is not None
+            if scaled:
+                leaves.append((f"{path}{name}.key_scale", value.key_scale))
+            value = _StoreSpec(value._key_id, value._value_id, value.residual_length, len(tensors), value.center_keys,
+                               scaled)
         elif isinstance(value, Encoder):
             value = _EncoderRef(encoder_key(value))
         elif name == "layers":
@@ -609,8 +618,9 @@ def _unflatten_object(context: tuple[type, tuple], leaves: Iterator[Tensor]) -> 
             value = next(leaves)
         elif isinstance(value, _StoreSpec):
             tensors = [next(leaves) for _ in range(value.tensors)]
+            scale = next(leaves) if value.scaled else None
             encoders = encoder_from_key(value.key_encoder), encoder_from_key(value.value_encoder)
-            value = KVStore.from_tensors(*encoders, value.residual_length, tensors, value.center_keys)
+            value = KVStore.from_tensors(*encoders, value.residual_length, tensors, value.center_keys, scale)
         elif isinstance(value, _EncoderRef):
             value = encoder_from_key(value.key)
         elif name == "layers":

@@ -83,12 +83,14 @@ def encoder_for(spec: str | dict, dim: int, backend: str | None = None) -> Encod
 class LayerPolicy:
     """What one decoder layer stores: ``key_encoder`` / ``value_encoder`` (registry names or configuration
     dicts) with ``residual_length`` recent tokens in full precision, or ``dense=True`` (no encoders: a
-    full-precision layer)."""
+    full-precision layer). ``key_scale``: None, or per KV head the positive scale of each key channel
+    (``[[float] * key head dim] * heads``; the keys are held divided by it, see :mod:`tqindex.kv.store`)."""
 
     key_encoder: str | dict | None = None
     value_encoder: str | dict | None = None
     residual_length: int = 0
     dense: bool = False
+    key_scale: tuple[tuple[float, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.dense, bool):
@@ -96,9 +98,19 @@ class LayerPolicy:
         if not isinstance(self.residual_length, int) or isinstance(self.residual_length, bool) \
                 or self.residual_length < 0:
             raise ValueError(f"residual_length must be an integer >= 0, got {self.residual_length!r}")
+        if self.key_scale is not None:
+            rows = self.key_scale
+            if not isinstance(rows, (list, tuple)) or not rows or not all(
+                    isinstance(r, (list, tuple)) and len(r) == len(rows[0]) > 0 for r in rows):
+                raise ValueError("key_scale must be a non-empty list of equally long lists of floats (heads x channels)")
+            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf
+                       for r in rows for v in r):
+                raise ValueError("key_scale must hold positive finite numbers")
+            object.__setattr__(self, "key_scale", tuple(tuple(float(v) for v in r) for r in rows))
         if self.dense:
-            if self.key_encoder is not None or self.value_encoder is not None:
-                raise ValueError("a dense layer has no encoders: leave key_encoder and value_encoder out")
+            if self.key_encoder is not None or self.value_encoder is not None or self.key_scale is not None:
+                raise ValueError("a dense layer has no encoders or key scale: leave key_encoder, value_encoder "
+                                 "and key_scale out")
             return
         if self.key_encoder is None or self.value_encoder is None:
             raise ValueError("a compressed layer needs key_encoder and value_encoder (or dense=True)")
@@ -109,18 +121,19 @@ class LayerPolicy:
         """``{"dense": true}`` or ``{"key_encoder": ..., "value_encoder": ..., "residual_length": n}``."""
         if self.dense:
             return {"dense": True}
+        scale = {} if self.key_scale is None else {"key_scale": [list(r) for r in self.key_scale]}
         return {"key_encoder": self.key_encoder, "value_encoder": self.value_encoder,
-                "residual_length": self.residual_length}
+                "residual_length": self.residual_length, **scale}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "LayerPolicy":
         """Inverse of :meth:`to_dict` (ValueError for unknown fields)."""
         if not isinstance(data, dict):
             raise TypeError(f"a layer entry must be a dict, got {type(data).__name__}")
-        unknown = set(data) - {"key_encoder", "value_encoder", "residual_length", "dense"}
+        unknown = set(data) - {"key_encoder", "value_encoder", "residual_length", "dense", "key_scale"}
         if unknown:
             raise ValueError(f"unknown layer fields {sorted(unknown)}; known: key_encoder, value_encoder, "
-                             "residual_length, dense")
+                             "residual_length, dense, key_scale")
         return cls(**data)
 
     def bytes_per_token(self, heads: int, key_dim: int, value_dim: int, context_tokens: int, dense_bytes: int,
@@ -167,6 +180,20 @@ class KVPolicy:
         layer = LayerPolicy(key_encoder, value_encoder, residual_length)
         dense = set(range(protected_layers)) | set(range(num_layers - protected_layers, num_layers))
         return cls([LayerPolicy(dense=True) if i in dense else layer for i in range(num_layers)], center_keys)
+
+    def with_key_scales(self, scales: Sequence[Any]) -> "KVPolicy":
+        """A copy whose compressed layer i holds its keys divided by ``scales[i]`` ([KV heads, key head dim]
+        tensors or nested lists, e.g. from :func:`tqindex.kv.calibrate.key_scales`; None leaves a layer
+        unscaled)."""
+        if len(scales) != len(self.layers):
+            raise ValueError(f"{len(scales)} key scales for a policy of {len(self.layers)} layers")
+        layers = []
+        for layer, scale in zip(self.layers, scales):
+            if not layer.dense and scale is not None:
+                scale = scale.tolist() if hasattr(scale, "tolist") else scale
+                layer = LayerPolicy(layer.key_encoder, layer.value_encoder, layer.residual_length, key_scale=scale)
+            layers.append(layer)
+        return KVPolicy(layers, self.center_keys, dict(self.calibration))
 
     # -- files -------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -224,7 +251,8 @@ class KVPolicy:
         for i in range(1, len(self.layers) + 1):
             if i == len(self.layers) or self.layers[i] != self.layers[start]:
                 layer = self.layers[start]
-                what = "dense" if layer.dense else (f"{_short(layer.key_encoder)} keys, "
+                what = "dense" if layer.dense else (f"{_short(layer.key_encoder)} keys"
+                                                    f"{' (scaled)' if layer.key_scale else ''}, "
                                                     f"{_short(layer.value_encoder)} values, "
                                                     f"window {layer.residual_length}")
                 span = f"layer {start}" if i - 1 == start else f"layers {start}-{i - 1}"

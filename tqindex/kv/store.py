@@ -15,6 +15,12 @@ given; :meth:`KVStore.view` hands out every key minus the offset (for attention)
 the decoded codes plus the offset and the window as held. This holds for softmax attention only: not with
 soft-capped scores or extra sink logits.
 
+With a ``key_scale`` s (per head and channel, e.g. calibrated by :func:`tqindex.kv.calibrate.key_scales`),
+the codes hold ``(k - offset) / s`` and attention multiplies the queries by s: the scores ``q · k`` are
+unchanged, while the codes' error, spread evenly over the channels of the held keys by the rotation,
+lands on the scores in proportion to ``||q s|| · ||k / s||`` instead of ``||q|| · ||k||``; channels where
+keys are large and queries small (and the reverse) stop dominating it.
+
 Encoding goes through the PyTorch operator ``tqindex::encode_tokens`` (:func:`encode_tokens`), which
 ``torch.compile`` and ``torch.export`` treat as one opaque call: nothing in an append reads the data on
 the host, so a decode step compiles into one graph and never waits for the device. The tokens are
@@ -126,11 +132,14 @@ class CompressedTokens:
     codes:   Codes [B, H, Tc] from ``encoder``.
     window:  [B, H, W, dim] full-precision tensor of the W most recent tokens.
     encoder: the encoder of ``codes`` (``dim == encoder.dim``).
+    query_scale: None, or keys only: [1, H, 1, dim], the keys are held divided by it channel by channel,
+             so attention multiplies the queries of KV head h by it (scores unchanged).
     """
 
     codes: Codes
     window: Tensor
     encoder: Encoder
+    query_scale: Tensor | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -216,11 +225,12 @@ class KVStore:
     ``residual_length``: tokens of previous steps kept in full precision (the current step's chunk is
     always in full precision too). ``append`` first encodes the window tokens beyond that into the
     buffers, then adds the new chunk to the window. ``center_keys``: store keys minus
-    :attr:`key_offset` (see the module docstring).
+    :attr:`key_offset`; ``key_scale``: [H, Dk], store keys divided by it (see the module docstring).
     """
 
     def __init__(
-        self, key_encoder: Encoder, value_encoder: Encoder, residual_length: int, center_keys: bool = False
+        self, key_encoder: Encoder, value_encoder: Encoder, residual_length: int, center_keys: bool = False,
+        key_scale: Tensor | None = None,
     ) -> None:
         for name, enc in (("key_encoder", key_encoder), ("value_encoder", value_encoder)):
             if not isinstance(enc, Encoder):
@@ -234,6 +244,7 @@ class KVStore:
         self.residual_length = residual_length
         self.center_keys = center_keys
         self.key_offset: Tensor | None = None  # [B, H, 1, Dk] float32, set by the first non-empty append
+        self.key_scale = _check_scale(key_scale, key_encoder.dim)  # [H, Dk] float32 or None
         self.keys: CodesBuffer | None = None
         self.values: CodesBuffer | None = None
         self._key_window: Tensor | None = None  # [B, H, W, Dk]
@@ -258,9 +269,10 @@ class KVStore:
         residual_length: int,
         tensors: list[Tensor],
         center_keys: bool = False,
+        key_scale: Tensor | None = None,
     ) -> "KVStore":
         """Inverse of :meth:`tensors`: a store holding exactly those codes, windows and key offset."""
-        store = cls(key_encoder, value_encoder, residual_length, center_keys)
+        store = cls(key_encoder, value_encoder, residual_length, center_keys, key_scale)
         if tensors:
             nk, nv = len(_LAYOUTS[store._key_id]), len(_LAYOUTS[store._value_id])
             if len(tensors) not in (nk + nv + 2, nk + nv + 3) or (len(tensors) == nk + nv + 3 and not center_keys):
@@ -334,6 +346,8 @@ class KVStore:
         """Add the tokens of one step: key [B, H, T, Dk], value [B, H, T, Dv] (floating, same B, H, T;
         shapes and dtypes are checked, values are not: see the module docstring)."""
         self._check(key, value)
+        if self.key_scale is not None and self.key_scale.device != key.device:
+            self.key_scale = self.key_scale.to(key.device)
         if self.center_keys and key.shape[2] and self.key_offset is None:  # the first tokens fix the offset
             self.key_offset = key.float().mean(2, keepdim=True)  # [B, H, 1, Dk]
         if self.keys is None:
@@ -344,8 +358,7 @@ class KVStore:
             return
         old = self.window_length - self.residual_length
         if old > 0:  # tokens that left the window: encode once, append to the buffers
-            leaving = self._key_window[:, :, :old]
-            leaving = leaving if self.key_offset is None else leaving.float() - self.key_offset
+            leaving = self._held_keys(self._key_window[:, :, :old])
             self.keys.append(encode_tokens(self.key_encoder, leaving, self._key_id))
             self.values.append(encode_tokens(self.value_encoder, self._value_window[:, :, :old], self._value_id))
         keep = slice(max(old, 0), None)
@@ -394,19 +407,23 @@ class KVStore:
         self._value_window = self._value_window.to(device, non_blocking=non_blocking)
         if self.key_offset is not None:
             self.key_offset = self.key_offset.to(device, non_blocking=non_blocking)
+        if self.key_scale is not None:
+            self.key_scale = self.key_scale.to(device, non_blocking=non_blocking)
 
     # -- reads -------------------------------------------------------------------------------------
     def view(self) -> tuple[CompressedTokens, CompressedTokens]:
         """(keys, values) as :class:`CompressedTokens` views of the held tokens (no copy of the codes, no
-        decode); once :attr:`key_offset` is set, every key is minus it (the window's in a copy), which leaves
-        softmax attention unchanged."""
+        decode); keys as the codes hold them (the window's in a copy): minus :attr:`key_offset` once set,
+        which leaves softmax attention unchanged, and divided by :attr:`key_scale`, which the keys hand to
+        attention as the queries' ``query_scale``."""
         if self.keys is None:
             raise ValueError("the KVStore is empty: append tokens before reading it")
         window = self._key_window
-        if self.key_offset is not None:
-            window = (window.float() - self.key_offset).to(window.dtype)
+        if self.key_offset is not None or self.key_scale is not None:
+            window = self._held_keys(window).to(window.dtype)
+        scale = None if self.key_scale is None else self.key_scale[None, :, None, :]
         return (
-            CompressedTokens(self.keys.view(), window, self.key_encoder),
+            CompressedTokens(self.keys.view(), window, self.key_encoder, scale),
             CompressedTokens(self.values.view(), self._value_window, self.value_encoder),
         )
 
@@ -421,6 +438,7 @@ class KVStore:
             raise ValueError("the KVStore is empty: append tokens before reading it")
         dtype = self._key_window.dtype if dtype is None else dtype
         codes = self.key_encoder.decode(self.keys.view()).float()
+        codes = codes if self.key_scale is None else codes * self.key_scale[:, None, :]
         codes = codes if self.key_offset is None else codes + self.key_offset
         return torch.cat([codes.to(dtype), self._key_window.to(dtype)], dim=2)
 
@@ -429,6 +447,11 @@ class KVStore:
         return self.view()[1].materialize(dtype)
 
     # -- helpers -----------------------------------------------------------------------------------
+    def _held_keys(self, keys: Tensor) -> Tensor:
+        """Keys [B, H, n, Dk] as the codes hold them: float32, minus the offset, divided by the scale."""
+        keys = keys.float() if self.key_offset is None else keys.float() - self.key_offset
+        return keys if self.key_scale is None else keys / self.key_scale[:, None, :]
+
     def _check(self, key: Tensor, value: Tensor) -> None:
         for name, t, enc in (("key", key, self.key_encoder), ("value", value, self.value_encoder)):
             if not isinstance(t, Tensor) or not t.is_floating_point():
@@ -441,6 +464,19 @@ class KVStore:
             raise ValueError(
                 f"key has [B, H] = {tuple(key.shape[:2])}, the store holds {tuple(self._key_window.shape[:2])}"
             )
+
+
+def _check_scale(scale: Tensor | None, dim: int) -> Tensor | None:
+    """A key scale as float32 [H, dim] of positive finite values, or None; ValueError naming the problem."""
+    if scale is None:
+        return None
+    if not isinstance(scale, Tensor) or scale.dim() != 2 or scale.shape[1] != dim:
+        raise ValueError(f"key_scale must be a tensor [heads, {dim}], got "
+                         f"{tuple(scale.shape) if isinstance(scale, Tensor) else type(scale).__name__}")
+    scale = scale.detach().float()
+    if not (torch.isfinite(scale).all() and (scale > 0).all()):
+        raise ValueError("key_scale must hold positive finite values")
+    return scale
 
 
 def _codes(key: str, planes: list[Tensor]) -> Codes:
