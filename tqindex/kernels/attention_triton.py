@@ -157,15 +157,16 @@ def _query_kernel(Q, MQ, QP, QSC, hkv, rows, nq, q_sb, q_sh, q_sq, D: tl.constex
     amax = tl.max(tl.abs(y), axis=1)
     scale = tl.where(amax > 0, tl.exp2(tl.ceil(tl.log2(tl.maximum(amax, 1e-30)))), 1.0)
     i = bh.to(tl.int64) * rows + r
-    tl.store(QP + i[:, None] * PW + c[None, :], (y / scale[:, None]).to(tl.float16), mask=ok[:, None] & (c[None, :] < PW))
+    tl.store(QP + i[:, None] * PW + c[None, :], (y / scale[:, None]).to(tl.float16),
+             mask=ok[:, None] & (c[None, :] < PW))
     tl.store(QSC + i, scale, mask=ok)
 
 
 @triton.jit
 def _attention_kernel(
     QP, QSC, Q, KC, KN, VC, VN, KW, VW, MASK, OUT, M_OUT, L_OUT,
-    hkv, rows, nq, tc, tw, q_sb, q_sh, q_sq, mask_sb, mask_sq, mask_st, kbytes, vbytes, kc_stride, vc_stride, kn_stride, vn_stride,
-    kw_stride, vw_stride, kw_tstride, vw_tstride, splits_c, tokens_per_split, scaling, softcap,
+    hkv, rows, nq, tc, tw, q_sb, q_sh, q_sq, mask_sb, mask_sq, mask_st, kbytes, vbytes, kc_stride, vc_stride,
+    kn_stride, vn_stride, kw_stride, vw_stride, kw_tstride, vw_tstride, splits_c, tokens_per_split, scaling, softcap,
     KMAG, VMAG, KT0, KT1, KT2, KT3, VT0, VT1, VT2, VT3,
     KR: tl.constexpr, VR: tl.constexpr, PWK: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     MASK_KIND: tl.constexpr, SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr, DECODE: tl.constexpr,

@@ -17,7 +17,9 @@ of ``context_tokens`` tokens: ``(residual_length + 1) · heads · (Dk + Dv) · d
 (the window holds the previous ``residual_length`` tokens and the current step's, at least one, in full
 precision; ``dense_bytes``: bytes per element of the model's dtype, which windows and dense layers hold), plus
 the key offset of centered keys, ``heads · Dk · 4 / context_tokens``; a dense layer holds
-``heads · (Dk + Dv) · dense_bytes``. Bits per element divide by ``heads · (Dk + Dv)`` elements.
+``heads · (Dk + Dv) · dense_bytes``. Bits per element divide by ``heads · (Dk + Dv)`` elements. A layer's
+key scales (``LayerPolicy.key_scale``) belong to the model, shared by every sequence, and are not counted
+per token.
 """
 
 from __future__ import annotations
@@ -102,7 +104,8 @@ class LayerPolicy:
             rows = self.key_scale
             if not isinstance(rows, (list, tuple)) or not rows or not all(
                     isinstance(r, (list, tuple)) and len(r) == len(rows[0]) > 0 for r in rows):
-                raise ValueError("key_scale must be a non-empty list of equally long lists of floats (heads x channels)")
+                raise ValueError("key_scale must be a non-empty list of equally long lists of floats "
+                                 "(heads x channels)")
             if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf
                        for r in rows for v in r):
                 raise ValueError("key_scale must hold positive finite numbers")
