@@ -27,7 +27,8 @@ keys and values at 2 / 3 / 4 bits), k8v4, k3v4 (8- or 3-bit keys, 4-bit values) 
 named ``{preset}-r{residual_length}-p{protected_layers}``, keys centered (``center_keys``) unless the name
 ends in ``-nc``, with per-channel key scales (:func:`tqindex.kv.key_scales`, calibrated on the third text
 below) where it ends in ``-ks``; ``policy-b{bits}``: a per-layer policy chosen by :func:`tqindex.kv.calibrate` for an
-average of at most ``bits`` bits per element at ``--tokens`` tokens of context, calibrated on a third
+average of at most ``bits`` bits per element at ``--tokens`` tokens of context (``policy-b{bits}-ks``: measured
+and kept with key scales), calibrated on a third
 text (:data:`_lm.CALIBRATION_TOPICS`, disjoint from both). tqindex runs use the ``"tqindex"`` attention
 implementation (attention computed from the codes).
 
@@ -83,8 +84,8 @@ DEFAULT_CONFIGS = (
 )
 QUICK_CONFIGS = ("dynamic", "tq4-r128-p2")
 CALIBRATION: dict[str, Any] = {}
-"""``sensitivity`` (measured once per run by :func:`main`) and ``context_tokens``: what ``policy-b*``
-configurations are chosen from."""
+"""``key_scales``, ``sensitivity`` / ``sensitivity-ks`` (with unscaled / scaled keys; measured once per run
+by :func:`main`) and ``context_tokens``: what ``-ks`` and ``policy-b*`` configurations are built from."""
 
 
 # ------------------------------------------------------------------------------ configurations
@@ -126,19 +127,22 @@ def cache_spec(name: str) -> CacheSpec:
         return CacheSpec(name, "tqindex", "tqindex FP8Cache: E4M3, one scale per token and head",
                          lambda cfg: FP8Cache(cfg))
     if name.startswith("policy-b"):
+        scaled = name.endswith("-ks")
         try:
-            bits = float(name.removeprefix("policy-b"))
+            bits = float(name.removeprefix("policy-b").removesuffix("-ks"))
         except ValueError:
-            raise ValueError(f"policy configuration must look like 'policy-b3.25', got {name!r}") from None
+            raise ValueError(f"policy configuration must look like 'policy-b3.25[-ks]', got {name!r}") from None
+        measured = "sensitivity-ks" if scaled else "sensitivity"
 
         def make_policy(cfg: Any) -> Any:
-            if not CALIBRATION:
+            if measured not in CALIBRATION:
                 raise RuntimeError("policy configurations need the sensitivity measured by main()")
-            return TQCache(cfg, policy=policy_for_budget(CALIBRATION["sensitivity"], bits,
+            return TQCache(cfg, policy=policy_for_budget(CALIBRATION[measured], bits,
                                                          context_tokens=CALIBRATION["context_tokens"]))
 
         return CacheSpec(name, "tqindex", f"TQCache with a per-layer policy calibrated for <= {bits:g} bits "
-                         "per element", make_policy, "tqindex", budget_bits=bits)
+                         "per element" + (", calibrated key scales" if scaled else ""), make_policy, "tqindex",
+                         budget_bits=bits, key_scales=scaled)
     if name.startswith("quanto-int"):
         try:
             bits_s, res_s = name.removeprefix("quanto-int").split("-r")
@@ -175,7 +179,7 @@ def cache_spec(name: str) -> CacheSpec:
         return CacheSpec(name, "tqindex", f"TQCache {kv}, residual {res}, {prot}+{prot} protected layers, {keys}",
                          make, "tqindex", preset, res, prot, key_scales=scaled)
     known = ("dynamic, fp8, fp8-tq, quanto-int{2,4}-r{N}, {" + ",".join(TQ_PRESETS) + "}-r{N}-p{N}[-nc][-ks], "
-             "policy-b{bits}")
+             "policy-b{bits}[-ks]")
     raise ValueError(f"unknown configuration {name!r}; known forms: {known}")
 
 
@@ -549,14 +553,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         text = _lm.calibration_text()
         ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[:, :args.calibration_tokens]
         CALIBRATION.update(key_scales=key_scales(model, ids), context_tokens=args.tokens)
-        if any(spec.budget_bits is not None for spec in specs):
-            CALIBRATION.update(sensitivity=measure_sensitivity(model, ids, prefix=ids.shape[1] - 64, scored=64))
-        policies = {spec.name: policy_for_budget(CALIBRATION["sensitivity"], spec.budget_bits,
-                                                 context_tokens=args.tokens)
+        for scaled, measured in ((False, "sensitivity"), (True, "sensitivity-ks")):
+            if any(spec.budget_bits is not None and spec.key_scales == scaled for spec in specs):
+                CALIBRATION[measured] = measure_sensitivity(model, ids, prefix=ids.shape[1] - 64, scored=64,
+                                                            key_scales=CALIBRATION["key_scales"] if scaled else None)
+        policies = {spec.name: policy_for_budget(CALIBRATION["sensitivity-ks" if spec.key_scales else "sensitivity"],
+                                                 spec.budget_bits, context_tokens=args.tokens)
                     for spec in specs if spec.budget_bits is not None}
         calibration = {"text": _lm.text_info(text, _lm.CALIBRATION_TOPICS), "tokens": ids.shape[1],
                        "context_tokens": args.tokens, "time_s": time.perf_counter() - t1,
-                       "sensitivity": CALIBRATION["sensitivity"].to_dict() if "sensitivity" in CALIBRATION else None,
+                       **{m: CALIBRATION[m].to_dict() for m in ("sensitivity", "sensitivity-ks") if m in CALIBRATION},
                        "key_scales": [None if t is None else t.tolist() for t in CALIBRATION["key_scales"]],
                        "policies": {name: {"bits": p.calibration["bits"], "predicted_kl": p.calibration["predicted_kl"],
                                            "describe": p.describe(), "policy": p.to_dict()}

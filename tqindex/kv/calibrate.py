@@ -26,14 +26,14 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from ..checks import check_int
+from ..checks import check_bool, check_int
 from ..turboquant import MSE_BITS
 from .policy import KVPolicy, LayerPolicy, choose
 
@@ -45,7 +45,9 @@ NEAR_EXACT = "tq8"
 class Sensitivity:
     """What :func:`measure_sensitivity` measured: ``key_kl[w][i]`` / ``value_kl[w][i]``, the mean KL divergence
     (nats per scored token) with layer i's keys / values stored by encoder ``w`` (e.g. ``"tq3"``), and the
-    model's cache shape: layers, KV heads, key and value head dims, bytes per element of its dtype."""
+    model's cache shape: layers, KV heads, key and value head dims, bytes per element of its dtype;
+    ``key_scales``: the per-layer key scales the measurement ran with (nested lists, None per unscaled
+    layer), which the chosen policies keep, or None."""
 
     key_kl: dict[str, list[float]]
     value_kl: dict[str, list[float]]
@@ -57,6 +59,7 @@ class Sensitivity:
     prefix: int
     scored: int
     center_keys: bool
+    key_scales: list[Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields."""
@@ -72,11 +75,13 @@ def measure_sensitivity(
     scored: int = 64,
     center_keys: bool = True,
     backend: str | None = None,
+    key_scales: Sequence[Any] | None = None,
 ) -> Sensitivity:
     """Each layer's sensitivity to ``"tq{b}"`` keys and values, for b in ``bits`` (module notes).
 
     model: a transformers causal LM; tokens: calibration token ids [1, T] (or [T]) with T >= prefix +
-    scored; backend: the kernels of the trial caches. Runs 2 · layers · len(bits) + 1 short passes of the
+    scored; backend: the kernels of the trial caches; key_scales: per-layer key scales (:func:`key_scales`)
+    the trial caches hold their keys with, or None. Runs 2 · layers · len(bits) + 1 short passes of the
     model (a progress bar counts them); the model's attention implementation is restored afterwards.
     """
     from .hf import TQCache, _head_dims
@@ -105,7 +110,8 @@ def measure_sensitivity(
     def trial(layer: int, keys: str, values: str) -> KVPolicy:
         entries = [LayerPolicy(dense=True)] * layers
         entries[layer] = LayerPolicy(keys, values)
-        return KVPolicy(entries, center_keys)
+        policy = KVPolicy(entries, center_keys)
+        return policy if key_scales is None else policy.with_key_scales(key_scales)
 
     kl: dict[str, dict[str, list[float]]] = {side: {f"tq{b}": [0.0] * layers for b in bits}
                                              for side in ("keys", "values")}
@@ -122,7 +128,9 @@ def measure_sensitivity(
     finally:
         model.set_attn_implementation(previous)
     return Sensitivity(kl["keys"], kl["values"], layers, config.num_key_value_heads, key_dim, value_dim,
-                       weight.element_size(), prefix, scored, center_keys)
+                       weight.element_size(), prefix, scored, center_keys,
+                       None if key_scales is None else
+                       [None if t is None else torch.as_tensor(t).tolist() for t in key_scales])
 
 
 def policy_for_budget(sensitivity: Sensitivity, budget_bits: float, *, allow_dense: bool = True,
@@ -144,6 +152,8 @@ def policy_for_budget(sensitivity: Sensitivity, budget_bits: float, *, allow_den
     budget = budget_bits / 8 * s.heads * (s.key_dim + s.value_dim) * s.layers
     chosen = choose([per_token] * s.layers, losses, budget)
     policy = KVPolicy([options[j] for j in chosen], s.center_keys)
+    if s.key_scales is not None:
+        policy = policy.with_key_scales(s.key_scales)
     policy.calibration = {
         "method": "per-layer KL divergence, keys and values measured apart (tqindex.kv.calibrate)",
         "budget_bits": budget_bits, "context_tokens": context_tokens,
@@ -155,12 +165,15 @@ def policy_for_budget(sensitivity: Sensitivity, budget_bits: float, *, allow_den
 
 def calibrate(model: Any, tokens: Tensor, budget_bits: float, *, bits: tuple[int, ...] = (2, 3, 4),
               allow_dense: bool = True, prefix: int = 384, scored: int = 64, context_tokens: int = 2048,
-              center_keys: bool = True, backend: str | None = None) -> KVPolicy:
+              center_keys: bool = True, backend: str | None = None, scale_keys: bool = False) -> KVPolicy:
     """A :class:`KVPolicy` for ``model`` at most ``budget_bits`` bits per stored key/value element on
     average: :func:`measure_sensitivity` on calibration ids ``tokens`` [1, T], then :func:`policy_for_budget`
-    (arguments as there). Save it with :meth:`KVPolicy.save`; use it as ``TQCache(model.config, policy=p)``."""
+    (arguments as there); with ``scale_keys``, key scales measured on the same tokens first
+    (:func:`key_scales`), which the measurement and the policy use. Save it with :meth:`KVPolicy.save`; use it
+    as ``TQCache(model.config, policy=p)``."""
+    scales = key_scales(model, tokens) if check_bool(scale_keys, "scale_keys") else None
     sensitivity = measure_sensitivity(model, tokens, bits=bits, prefix=prefix, scored=scored,
-                                      center_keys=center_keys, backend=backend)
+                                      center_keys=center_keys, backend=backend, key_scales=scales)
     return policy_for_budget(sensitivity, budget_bits, allow_dense=allow_dense, context_tokens=context_tokens)
 
 
