@@ -88,6 +88,11 @@ def test_calibrated_scales_in_a_cache_generate_and_flatten():
     assert all(torch.allclose(s.log().mean(-1), torch.zeros(2), atol=1e-5) for s in scales)  # geometric mean 1
     with pytest.raises(ValueError, match="ids"):
         key_scales(model, torch.zeros(2, 3, dtype=torch.long))
+    half = key_scales(model, ids, strength=0.5)
+    assert all(torch.allclose(h, s.sqrt(), rtol=1e-5) for h, s in zip(half, scales))  # the power of the scales
+    assert all(torch.equal(s, torch.ones(2, 32)) for s in key_scales(model, ids, strength=0))
+    with pytest.raises(ValueError, match="strength"):
+        key_scales(model, ids, strength=2)
     model.set_attn_implementation("tqindex")
     policy = KVPolicy.uniform(4, "tq8", "tq8", residual_length=2).with_key_scales(scales)
     out = {}

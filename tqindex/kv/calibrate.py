@@ -180,12 +180,15 @@ def calibrate(model: Any, tokens: Tensor, budget_bits: float, *, bits: tuple[int
 _CAPTURE = "tqindex-calibrate-capture"
 
 
-def key_scales(model: Any, tokens: Tensor) -> list[Tensor | None]:
+def key_scales(model: Any, tokens: Tensor, strength: float = 1.0) -> list[Tensor | None]:
     """Per-channel key scales of every layer (module notes) from one pass of the model over calibration ids
     ``tokens`` [1, T]: float32 [KV heads, key head dim] for full-attention layers, normalized to a geometric
-    mean of 1 per head, None for layers without keys of their own. Use them through a policy
-    (:meth:`~tqindex.kv.policy.KVPolicy.with_key_scales`). The model's attention implementation is
-    restored afterwards."""
+    mean of 1 per head, None for layers without keys of their own; ``strength`` in [0, 1] raises them to
+    that power (0: no scaling, 1: the optimum for the calibration text's statistics; between: less reliance
+    on them). Use them through a policy (:meth:`~tqindex.kv.policy.KVPolicy.with_key_scales`). The model's
+    attention implementation is restored afterwards."""
+    if not isinstance(strength, (int, float)) or isinstance(strength, bool) or not 0 <= strength <= 1:
+        raise ValueError(f"strength must be a number in [0, 1], got {strength!r}")
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -218,6 +221,6 @@ def key_scales(model: Any, tokens: Tensor) -> list[Tensor | None]:
             continue
         q2, k2 = squares[i]
         floor = torch.finfo(torch.float32).tiny
-        log_s = 0.25 * (k2.clamp_min(floor).log() - q2.clamp_min(floor).log())  # log sqrt(rms_k / rms_q)
+        log_s = 0.25 * strength * (k2.clamp_min(floor).log() - q2.clamp_min(floor).log())  # log sqrt(rms k / rms q)
         scales.append((log_s - log_s.mean(-1, keepdim=True)).exp().cpu())
     return scales
