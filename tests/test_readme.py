@@ -97,17 +97,6 @@ def test_readme_kv_policy_example_runs(tmp_path, monkeypatch, capsys):
     assert "keys" in capsys.readouterr().out
 
 
-def test_readme_key_scales_example_runs(tmp_path, monkeypatch):
-    """The key-scale example as printed: every layer's keys scaled, the scales in the cache's stores."""
-    smollm2_or_skip()
-    monkeypatch.chdir(tmp_path)  # the example saves the policy
-    scope: dict = {}
-    exec(compile(block_with("python", "with_key_scales("), str(README), "exec"), scope)
-    policy, cache = scope["policy"], scope["cache"]
-    assert all(layer.key_scale is not None and len(layer.key_scale) == 3 for layer in policy.layers)
-    assert all(layer.store.key_scale.shape == (3, 64) for layer in cache.layers)
-
-
 def test_readme_devices_example_runs():
     """The device example as printed: on the CPU here (compiled kernels), on CUDA where there is one."""
     scope: dict = {}

@@ -19,7 +19,9 @@ The calibration text should be unrelated to the text the cache will be judged on
 :mod:`tqindex.kv.store`): for each layer, KV head and channel i, from the root mean squares of the
 queries (of the heads sharing that KV head) and of the keys (centered) over a calibration text,
 ``s_i = sqrt(rms(k_i) / rms(q_i))``, which minimizes ``||q s|| · ||k / s||`` (Cauchy-Schwarz), the size
-of the score error of codes spread evenly over the held key's channels.
+of the score error of codes spread evenly over the held key's channels. Measured on SmolLM2-135M under
+real decoding they do not help on balance (``benchmarks/results/kv_quality_smollm2_cpu_key_scales.md``):
+an option to study, not a default.
 """
 
 from __future__ import annotations
