@@ -83,8 +83,9 @@ def encode_directions(x: Tensor, rotation: Rotation, runs: list[CodeRun], alphas
 
     -> (qdata uint8 [N, bytes]: each coded run bit-packed (``packing``) after the previous one,
     ||y|| [N], <u, c> [N], ||c||² [N]). ``backend``: as for ``kernels.select`` (native: float32 CPU rows
-    and symmetric codebooks of up to 16 levels; triton: any). Exact for any finite input: rows whose
-    float32 sum of squares under- or overflows are encoded again scaled by a power of two.
+    and symmetric codebooks of up to 16 levels; triton: any). Exact for any finite input: the Triton kernel
+    scales every row it rotates by a power of two itself; elsewhere rows whose float32 sum of squares
+    under- or overflows are encoded again scaled by a power of two (a pass that reads the norms on the host).
     """
     # (the native kernel runs on CPU tensors only: comparing device codebooks would wait for the device)
     kinds = ("native", "triton") if x.device.type != "cpu" or native_encodes(runs) else ("triton",)
