@@ -163,14 +163,13 @@ def cache_spec(name: str) -> CacheSpec:
         kenc, venc = (preset, preset) if not pair else (f"tq{pair[1]}", f"tq{pair[2]}")
 
         def make(cfg: Any) -> Any:
-            if scaled:
-                if "key_scales" not in CALIBRATION:
-                    raise RuntimeError("-ks configurations need the key scales measured by main()")
-                layers = len(DynamicCache(config=cfg).layers)
-                policy = KVPolicy.uniform(layers, kenc, venc, res, prot, center)
-                return TQCache(cfg, policy=policy.with_key_scales(CALIBRATION["key_scales"]))
-            return TQCache(cfg, key_encoder=kenc, value_encoder=venc, residual_length=res, protected_layers=prot,
-                           center_keys=center)
+            if not scaled:
+                return TQCache(cfg, key_encoder=kenc, value_encoder=venc, residual_length=res,
+                               protected_layers=prot, center_keys=center)
+            if "key_scales" not in CALIBRATION:
+                raise RuntimeError("-ks configurations need the key scales measured by main()")
+            policy = KVPolicy.uniform(len(DynamicCache(config=cfg).layers), kenc, venc, res, prot, center)
+            return TQCache(cfg, policy=policy.with_key_scales(CALIBRATION["key_scales"]))
 
         kv = {"tq2": "tq2 keys + values", "tq3": "tq3 keys + values", "tq4": "tq4 keys + values",
               "k8v4": "tq8 keys, tq4 values", "k3v4": "tq3 keys, tq4 values",

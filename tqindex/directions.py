@@ -83,22 +83,30 @@ def encode_directions(x: Tensor, rotation: Rotation, runs: list[CodeRun], alphas
 
     -> (qdata uint8 [N, bytes]: each coded run bit-packed (``packing``) after the previous one,
     ||y|| [N], <u, c> [N], ||c||² [N]). ``backend``: as for ``kernels.select`` (native: float32 CPU rows
-    and symmetric codebooks of up to 16 levels; triton: any). Exact for any finite input: the Triton kernel
-    scales every row it rotates by a power of two itself; elsewhere rows whose float32 sum of squares
-    under- or overflows are encoded again scaled by a power of two (a pass that reads the norms on the host).
+    and symmetric codebooks of up to 16 levels; triton: any). Exact for any finite input
+    (:func:`rescue_unsafe_rows`; the Triton encoder scales the rows it rotates itself).
     """
     # (the native kernel runs on CPU tensors only: comparing device codebooks would wait for the device)
     kinds = ("native", "triton") if x.device.type != "cpu" or native_encodes(runs) else ("triton",)
     chosen = kernels.select(x, backend, kinds, "direction encoding")
     if chosen == "triton":
-        from .kernels.encode_triton import encode_directions_triton as encode  # imports triton
-    else:
-        encode = encode_directions_native if chosen == "native" else encode_directions_reference
-    qdata, norm, dot, sq = encode(x, rotation, runs, alphas)
-    if chosen == "triton" and rotation.matmul_matrix is not None:
-        return qdata, norm, dot, sq  # the kernel scales the rows it rotates itself (and never waits for the host)
+        from .kernels.encode_triton import encode_directions_triton  # imports triton
+
+        return encode_directions_triton(x, rotation, runs, alphas)
+    encode = encode_directions_native if chosen == "native" else encode_directions_reference
+    codes = encode(x, rotation, runs, alphas)
+    rescue_unsafe_rows(encode, x, rotation, runs, alphas, *codes)
+    return codes
+
+
+def rescue_unsafe_rows(encode: Any, x: Tensor, rotation: Rotation, runs: list[CodeRun], alphas: Tensor,
+                       qdata: Tensor, norm: Tensor, dot: Tensor, sq: Tensor) -> None:
+    """Rows of x [N, d] whose float32 sum of squares under- or overflowed in ``encode`` (their norm outside
+    NORM_SAFE) encoded again, scaled by a power of two, in place in ``encode``'s outputs: their codes do not
+    depend on the scale, their norms are scaled back exactly. Reads the norms on the host (on a GPU it waits
+    for the device)."""
     unsafe = torch.nonzero(~((norm >= NORM_SAFE[0]) & (norm <= NORM_SAFE[1]))).squeeze(1)
-    if len(unsafe):  # their codes do not depend on the scale; their norms are scaled back exactly
+    if len(unsafe):
         true_norm = torch.linalg.vector_norm(x[unsafe].double(), dim=-1)
         unsafe, true_norm = unsafe[true_norm > 0], true_norm[true_norm > 0]
         if len(unsafe):
@@ -106,7 +114,6 @@ def encode_directions(x: Tensor, rotation: Rotation, runs: list[CodeRun], alphas
             scaled = torch.ldexp(x[unsafe].double(), -exp[:, None]).float()
             q2, n2, dot[unsafe], sq[unsafe] = encode(scaled, rotation, runs, alphas)
             qdata[unsafe], norm[unsafe] = q2, torch.ldexp(n2.double(), exp).float()
-    return qdata, norm, dot, sq
 
 
 def encode_directions_reference(x: Tensor, rotation: Rotation, runs: list[CodeRun], alphas: Tensor

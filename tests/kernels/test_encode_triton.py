@@ -94,3 +94,19 @@ def test_rows_of_any_scale_encode_exactly_without_a_host_rescue(dim, monkeypatch
         assert torch.equal(q, q0) and torch.equal(d, d0) and torch.equal(s, s0), e
         torch.testing.assert_close(n.double(), torch.ldexp(n0.double(), torch.tensor(e, device=DEVICE)),
                                    rtol=1e-6, atol=0)
+
+
+def test_rows_of_any_scale_with_the_rotation_applied_by_torch():
+    """Large dims: torch rotates the rows first, so the rows it overflows are encoded again, scaled."""
+    enc = tq.make_encoder("tq4", 2048)
+    rotation, runs = enc._rotation(DEVICE), enc.code_runs(DEVICE)
+    assert rotation.matmul_matrix is None
+    alphas = search_alphas(enc.code_search, DEVICE)
+    x = torch.randn(4, 2048, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    q0, n0, _, _ = encode_directions(x, rotation, runs, alphas, "triton")
+    for e in (-100, 120):
+        q, n, _, _ = encode_directions(torch.ldexp(x, torch.tensor(e, device=DEVICE)), rotation, runs, alphas,
+                                       "triton")
+        assert torch.equal(q, q0), e
+        torch.testing.assert_close(n.double(), torch.ldexp(n0.double(), torch.tensor(e, device=DEVICE)),
+                                   rtol=1e-6, atol=0)

@@ -32,8 +32,8 @@ import triton.language as tl
 from torch import Tensor
 
 from . import multiprocessors
-from .planes import next_power_of_2, run_layouts, to_planes
-from .scan_triton import _groups, _level, _nibble_levels, _plane_levels, default_decode, prmt_tables
+from .planes import RunLayout, next_power_of_2, to_planes
+from .scan_triton import _groups, _level, _nibble_levels, _plane_levels, _scan_tables, default_decode
 
 BLOCK_N = 64
 """Key tokens per tile."""
@@ -290,27 +290,18 @@ def _merge_kernel(OUT, M, L, MV, RES, hkv, hq, rows, nq, splits, splits_c, D: tl
 # host side
 
 
-def _key_tables(encoder: Any, device: torch.device) -> tuple[tuple, Tensor, list[int], Tensor]:
-    """The key run's layout (constexpr tuple), magnitudes and prmt words on ``device``, and the query map
-    float32 [DP, PWP]: row j is coordinate j's image under the rotation, in planar order (zero padded)."""
-    layouts, mags, _ = run_layouts(encoder.code_runs(device))
-    mags = mags.to(device)
+def _tables(encoder: Any, device: torch.device, side: str) -> tuple[tuple, Tensor, list[int], Tensor]:
+    """What the kernels need of the ``side`` ("keys" or "values") encoder on ``device``: its run's layout
+    (constexpr tuple), magnitudes and prmt words (the scan's tables), and a float32 matrix, zero padded to
+    powers of two: for keys [DP, PWP], row j the rotation's image of coordinate j in planar order (the
+    query map); for values [DP, DP], row j the rotated domain's coordinate j rotated back."""
+    layouts, mags, prmt = _scan_tables(encoder, device)
     dim = encoder.dim
-    planar = to_planes(encoder.rotate(torch.eye(dim, device=device)), layouts[:1])
-    mq = torch.zeros(next_power_of_2(dim), next_power_of_2(planar.shape[1]), device=device)
-    mq[:dim, : planar.shape[1]] = planar
-    return tuple(layouts[0]), mags, prmt_tables(mags, layouts)[:4], mq
-
-
-def _value_tables(encoder: Any, device: torch.device) -> tuple[tuple, Tensor, list[int], Tensor]:
-    """The value run's layout, magnitudes and prmt words on ``device``, and the rotation's inverse float32
-    [DP, DP] (zero padded): row j is the rotated domain's coordinate j in the natural one."""
-    layouts, mags, _ = run_layouts(encoder.code_runs(device))
-    mags = mags.to(device)
-    dim = encoder.dim
-    mv = torch.zeros(next_power_of_2(dim), next_power_of_2(dim), device=device)
-    mv[:dim, :dim] = encoder.rotate_back(torch.eye(dim, device=device))
-    return tuple(layouts[0]), mags, prmt_tables(mags, layouts)[:4], mv
+    eye = torch.eye(dim, device=device)
+    image = to_planes(encoder.rotate(eye), [RunLayout(*layouts[0])]) if side == "keys" else encoder.rotate_back(eye)
+    matrix = torch.zeros(next_power_of_2(dim), next_power_of_2(image.shape[1]), device=device)
+    matrix[:dim, : image.shape[1]] = image
+    return layouts[0], mags, prmt[:4], matrix
 
 
 def mask_layout(mask: Tensor | None, b: int, nq: int, total: int) -> tuple[Tensor | None, tuple[int, int, int], int]:
@@ -340,9 +331,10 @@ def compressed_attention_triton(q: Tensor, keys: Any, values: Any, mask: Tensor 
     bsz, hq, nq, dim = q.shape
     hkv, tc, tw = keys.shape[1], keys.codes.shape[2], keys.window.shape[2]
     rows, device = (hq // hkv) * nq, q.device
-    kr, kmag, kt, mq = keys.encoder.derived(device, "triton-attention", lambda: _key_tables(keys.encoder, device))
+    kr, kmag, kt, mq = keys.encoder.derived(device, "triton-attention-keys",
+                                            lambda: _tables(keys.encoder, device, "keys"))
     vr, vmag, vt, mv = values.encoder.derived(device, "triton-attention-values",
-                                              lambda: _value_tables(values.encoder, device))
+                                              lambda: _tables(values.encoder, device, "values"))
     q = q if q.stride(-1) == 1 else q.contiguous()
     dp = next_power_of_2(dim)
     pw = kr[2] * kr[4]  # the key run's planes x padded groups

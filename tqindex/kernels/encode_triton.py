@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..directions import rescue_unsafe_rows
 from . import multiprocessors
 from .planes import RunLayout, plane_coordinates, plane_width, run_layouts, to_planes
 from .scan_triton import _magnitude
@@ -241,4 +242,6 @@ def encode_directions_triton(x: Tensor, rotation: Any, runs: Sequence[Any], alph
             A=len(alphas), AP=max(2, triton.next_power_of_2(len(alphas))), ROTATE=rotate,
             DK=triton.cdiv(d, BLOCK_K) * BLOCK_K, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
             PRECISION="tf32x3" if device.type == "cuda" else "ieee", num_warps=NUM_WARPS)
+    if not rotate:  # the kernel scaled the rows, not the rotation torch applied to them first
+        rescue_unsafe_rows(encode_directions_triton, x, rotation, runs, alphas, qdata, norm, dot, sq)
     return qdata, norm, dot, sq
