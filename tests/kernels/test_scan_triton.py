@@ -92,17 +92,18 @@ def test_ivf_scan_equals_the_reference(metric):
 
 
 @pytest.mark.parametrize("room", [(3, 256), (0, 0)])  # (0, 0): no room, every query scanned again
-def test_sampled_bound_then_filter(monkeypatch, room):
+@pytest.mark.parametrize("nq", [1, 3])  # FMAs, MMAs
+def test_sampled_bound_then_filter(monkeypatch, room, nq):
     """Large scans bound each query's k-th best by the top-k of a sample, keep the rows that reach it, and
     scan overflowing queries again with a running top-k: the same results as the reference."""
     import tqindex.kernels.scan_triton as st
 
     monkeypatch.setattr(st, "SAMPLE_TILES", 1)
-    monkeypatch.setattr(st, "BLOCK_N_FMA", 16)
+    monkeypatch.setattr(st, "TILES", {q: (16, warps) for q, (_, warps) in st.TILES.items()})
     monkeypatch.setattr(st, "SAMPLE_FRACTION", 8)
     monkeypatch.setattr(st, "CAPACITY_FACTOR", room[0])
     monkeypatch.setattr(st, "CAPACITY_EXTRA", room[1])
-    x, q = data(1500, 64, 11).to(DEVICE), data(3, 64, 12).to(DEVICE)
+    x, q = data(1500, 64, 11).to(DEVICE), data(nq, 64, 12).to(DEVICE)
     index = flat("tq4", 64, "l2", x)
     D0, I0 = index.search(q, 10)
     index.backend = "triton"

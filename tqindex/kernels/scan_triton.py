@@ -37,18 +37,14 @@ from ..topk import TopK
 from . import multiprocessors
 from .planes import RunLayout, run_layouts, to_planes
 
-BLOCK_N = 64
-"""Code rows per tile (the MMA's M dimension); 128 with 64 queries spills registers."""
-BLOCK_N_FEW = 256
-"""Code rows per tile for 5-16 queries: more code bytes in flight per program."""
-BLOCK_N_FMA = 64
-"""Code rows per tile for up to 4 queries, scored by FMAs (larger tiles spill registers at d = 128)."""
+TILES = {2: (256, 4), 16: (256, 8), 32: (64, 4), 64: (64, 4), 128: (64, 4), 256: (32, 4)}
+"""Queries per program (BLOCK_Q: 2 holds one query, scored by FMAs; 16 and more, the MMA's N dimension) ->
+(code rows per tile, the MMA's M dimension; warps), measured on an H200 at 10M x 128 (tq4)."""
+TILES_TOPK = {2: (256, 4), 16: (256, 8), 32: (64, 8), 64: (64, 8)}
+"""The same where each query keeps a running top-k in registers (the flat top-k mode and the IVF lists):
+fewer queries per program and 8 warps, else the score tile, the decoded planes and the top-k state spill."""
 MODE_TOPK, MODE_FILTER, MODE_MAX, MODE_TILE_MAX = 0, 1, 2, 3
-MAX_BLOCK_Q = 64
-"""Queries per program at most (the MMA's N dimension; at least 16)."""
 PROGRAMS_PER_SM = 4
-NUM_WARPS = 8
-"""Warps per program: with 4, the score tile, the decoded planes and the top-k state spill registers."""
 DECODE_GATHER, DECODE_SELECT, DECODE_PRMT = 0, 1, 2
 
 
@@ -180,7 +176,7 @@ def _run_scores(acc, sq, rows, rmask, CODES, row_bytes, QP, qw, qcols, qmask, MA
                 BK: tl.constexpr, BOFF: tl.constexpr, QOFF: tl.constexpr, NBYTES: tl.constexpr,
                 W: tl.constexpr, L2: tl.constexpr, DECODE: tl.constexpr, BLOCK_Q: tl.constexpr, T0, T1, T2, T3):
     """Add one run's contribution to the score tile acc [BLOCK_N, BLOCK_Q] (and its squared levels to sq):
-    MMAs for 16 queries or more, FMAs for fewer."""
+    MMAs for blocks of 16 queries or more, FMAs for one query."""
     for k0 in range(0, GP, BK):  # a runtime loop: large dims would unroll into a very long compile
         g = k0 + tl.arange(0, BK)  # groups of this step
         gmask = rmask[:, None] & (g[None, :] < G)
@@ -193,20 +189,14 @@ def _run_scores(acc, sq, rows, rmask, CODES, row_bytes, QP, qw, qcols, qmask, MA
                 v = lo if p == 0 else hi
             else:
                 v = _plane_levels(grp, p, MAG, BITS, DECODE)
-            v = tl.where(gmask & (g[None, :] * P + p < W), v, 0.0).to(tl.float16)  # coordinates of the run only
+            if L2:  # coordinates of the run only (elsewhere the planar queries are 0: no mask needed)
+                v = tl.where(gmask & (g[None, :] * P + p < W), v, 0.0).to(tl.float16)
+            q = tl.load(QP + qcols[None, :] * qw + QOFF + p * GP + g[:, None],
+                        mask=qmask[None, :], other=0.0)  # [BK, BLOCK_Q]
             if BLOCK_Q >= 16:  # tensor cores
-                q = tl.load(QP + qcols[None, :] * qw + QOFF + p * GP + g[:, None],
-                            mask=qmask[None, :], other=0.0)  # [BK, BLOCK_Q]
                 acc = tl.dot(v, q, acc)
-            else:  # a few queries: FMAs, no operand layout change
-                vf = v.to(tl.float32)
-                for j in tl.static_range(BLOCK_Q):
-                    qj = tl.sum(tl.where(tl.arange(0, BLOCK_Q) == j, qcols, 0), axis=0)
-                    okj = tl.max(tl.where(tl.arange(0, BLOCK_Q) == j, qmask.to(tl.int32), 0), axis=0)
-                    q = tl.load(QP + qj * qw + QOFF + p * GP + g, mask=(g * 0 + okj) > 0, other=0.0)  # [BK]
-                    q = q.to(tl.float32)
-                    part = tl.sum(vf * q[None, :], axis=1)  # [BLOCK_N]
-                    acc = tl.where(tl.arange(0, BLOCK_Q)[None, :] == j, acc + part[:, None], acc)
+            else:  # one query (and a masked column: no size-1 dims): f16 products summed in f32, no layout change
+                acc += tl.sum((v * tl.sum(q, axis=1).to(tl.float16)[None, :]).to(tl.float32), axis=1)[:, None]
             if L2:
                 vf = v.to(tl.float32)
                 sq += tl.sum(vf * vf, axis=1)
@@ -301,7 +291,7 @@ def _flat_scan_kernel(CODES, NORM, n, row_bytes, QP, qw, nq, QSCALE, MAG, OUT_V,
             vals, idx = _insert(vals, idx, score, rows, KT, BLOCK_N)
         elif MODE == 1:
             hit = (score >= thr[None, :]) & qmask[None, :]
-            if tl.max(tl.max(hit.to(tl.int32), axis=1), axis=0) > 0:  # rare once past the first tiles
+            if tl.max(tl.max(hit.to(tl.int32), axis=1), axis=0) > 0:
                 slot = tl.atomic_add(COUNT + qcols[None, :] + 0 * rows[:, None], 1, mask=hit)
                 ok = hit & (slot < cap)
                 at = qcols[None, :].to(tl.int64) * cap + slot
@@ -415,7 +405,7 @@ def candidate_depth(k: int) -> int:
     return triton.next_power_of_2(k + max(8, k // 4))
 
 
-SAMPLE_FRACTION = 64
+SAMPLE_FRACTION = 16
 """A flat scan first scans one row in this many (at least SAMPLE_TILES tiles per candidate kept) and
 takes each tile's best score per query: the k-th largest of those (k distinct rows) bounds the final
 k-th best from below, so the full scan keeps only the rows that reach it (about k * SAMPLE_FRACTION per
@@ -437,25 +427,25 @@ class TritonScorer(Scorer):
         self.qp, self.qscale = planar_queries(qs.float(), [RunLayout(*r) for r in self.runs])
         self.decode = default_decode(qs.device) if decode is None else decode
 
-    def _common(self, m: int) -> dict:
-        block_q = max(2, min(MAX_BLOCK_Q, triton.next_power_of_2(m)))
-        if 4 < block_q < 16:  # 5 to 15 queries: one MMA block
-            block_q = 16
-        block_n = BLOCK_N if block_q > 16 else BLOCK_N_FEW if block_q == 16 else BLOCK_N_FMA
+    def _common(self, m: int, topk: bool) -> dict:
+        """Launch constants for m query rows (``topk``: each keeps a running top-k; see TILES)."""
+        tiles = TILES_TOPK if topk else TILES
+        block_q = 2 if m == 1 else min(max(tiles), max(16, triton.next_power_of_2(m)))
+        block_n, warps = tiles[block_q]
         return dict(R0=self.runs[0], R1=self.runs[1], R2=self.runs[2], L2=self.l2, DECODE=self.decode,
-                    BLOCK_N=block_n, BLOCK_Q=block_q)
+                    BLOCK_N=block_n, BLOCK_Q=block_q, num_warps=warps)
 
     # -- flat -------------------------------------------------------------------------------------------
     def scan(self, codes: Codes, k: int, rows: Tensor | None = None, mode: int = MODE_TOPK,
              threshold: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
         """The flat kernel over codes [n] for query rows ``rows`` (all when None) -> (approximate scores float32
-        [m, c], their rows int32 [m, c], candidate counts int32 [m] or None). MODE_TOPK: each program's top
-        candidates; MODE_FILTER: the rows scoring at least ``threshold`` [m] (counts may exceed c: overflow);
-        MODE_MAX: each query's maximum only (to time the scan alone)."""
+        [m, c], their rows int32 [m, c] (score -inf: none), bool [m] or None). MODE_TOPK: each program's top
+        candidates; MODE_FILTER: the rows scoring at least ``threshold`` [m], and whether a query had more than
+        there was room for (overflow); MODE_MAX: each query's maximum only (to time the scan alone)."""
         sel = slice(None) if rows is None else rows
         qp, qscale = self.qp[sel].contiguous(), self.qscale[sel].contiguous()
         n, m, kt = len(codes), len(qp), candidate_depth(k)
-        common = self._common(m)
+        common = self._common(m, mode == MODE_TOPK)
         block_n, q_blocks = common["BLOCK_N"], triton.cdiv(m, common["BLOCK_Q"])
         sms = multiprocessors(qp.device)
         splits = max(1, min(triton.cdiv(n, 4 * block_n), triton.cdiv(PROGRAMS_PER_SM * sms, q_blocks)))
@@ -466,7 +456,7 @@ class TritonScorer(Scorer):
             out_v = torch.empty(triton.cdiv(n, block_n), m, device=qp.device)
             out_i = out_v  # not written
         elif mode == MODE_FILTER:
-            cap = CAPACITY_FACTOR * candidate_depth(k) * SAMPLE_FRACTION + CAPACITY_EXTRA
+            cap = CAPACITY_FACTOR * kt * SAMPLE_FRACTION + CAPACITY_EXTRA
             out_v = torch.empty(m, cap, device=qp.device)
             out_i = torch.empty(m, cap, dtype=torch.int32, device=qp.device)
             count = torch.zeros(m, dtype=torch.int32, device=qp.device)
@@ -477,11 +467,10 @@ class TritonScorer(Scorer):
         _flat_scan_kernel[(q_blocks, splits)](
             qdata, norm, n, qdata.shape[1], qp, qp.shape[1], m, qscale, self.mags, out_v, out_i, per_split,
             qscale if threshold is None else threshold.float().contiguous(), qscale if count is None else count,
-            cap or 0, KT=kt, **common, **{f"T{i}": self.tables[i] for i in range(12)}, MODE=mode,
-            num_warps=NUM_WARPS)
+            cap or 0, KT=kt, **common, **{f"T{i}": self.tables[i] for i in range(12)}, MODE=mode)
         if mode == MODE_FILTER:
             filled = torch.arange(cap, device=qp.device)[None, :] < count[:, None]
-            return out_v.masked_fill(~filled, float("-inf")), out_i, count
+            return out_v.masked_fill(~filled, float("-inf")), out_i, count > cap
         if mode == MODE_TILE_MAX:
             return out_v.T, out_i.T, None
         return out_v.permute(2, 0, 1).reshape(m, -1), out_i.permute(2, 0, 1).reshape(m, -1), None
@@ -492,14 +481,14 @@ class TritonScorer(Scorer):
         keeps the rows that reach it (queries whose candidates overflow are scanned again with a running
         top-k)."""
         n, kt = len(codes), candidate_depth(k)
-        block_n = self._common(self.m if rows is None else len(rows))["BLOCK_N"]
+        block_n = self._common(self.m if rows is None else len(rows), False)["BLOCK_N"]
         sample = max(n // SAMPLE_FRACTION, SAMPLE_TILES * kt * block_n)
         if n <= 2 * sample:
             return self.scan(codes, k, rows)[:2]
         maxima, _, _ = self.scan(codes[:sample], k, rows, MODE_TILE_MAX)  # [m, tiles]
         bound = torch.topk(maxima, kt, dim=1).values[:, -1]  # kt distinct rows reach it: <= the final kt-th best
-        vals, cand, count = self.scan(codes, k, rows, MODE_FILTER, bound)
-        over = torch.nonzero(count > vals.shape[1]).squeeze(1)
+        vals, cand, overflow = self.scan(codes, k, rows, MODE_FILTER, bound)
+        over = torch.nonzero(overflow).squeeze(1)
         if len(over):  # rare: more rows reach the bound than there is room for
             again = over if rows is None else rows[over]
             v2, c2, _ = self.scan(codes, k, again)
@@ -559,7 +548,7 @@ class TritonScorer(Scorer):
             if hasattr(lists, "__dict__"):  # a view cached with its index state keeps its table
                 lists.triton = table
         kt = candidate_depth(top.k)
-        common = self._common(min(m, MAX_BLOCK_Q))
+        common = self._common(m, True)
         block_q = common["BLOCK_Q"]
         flat = probes.reshape(-1)
         order = torch.argsort(flat, stable=True)  # pair slots grouped by list
@@ -581,8 +570,7 @@ class TritonScorer(Scorer):
             _lists_scan_kernel[(len(item_list),)](
                 table.code_ptrs, table.norm_ptrs, table.sizes, item_list, item_start.int(), item_count.int(),
                 queries, table.row_bytes, self.qp, self.qp.shape[1], self.qscale, self.mags, out_v, out_i,
-                KT=kt, NORM_F16=table.norm_f16, **common, **{f"T{i}": self.tables[i] for i in range(12)},
-                num_warps=NUM_WARPS)
+                KT=kt, NORM_F16=table.norm_f16, **common, **{f"T{i}": self.tables[i] for i in range(12)})
         slot = torch.empty_like(order)
         slot[order] = torch.arange(pairs, device=device)  # pair (query i, probe j) -> its slot
         slot = slot.reshape(m, nprobe)
