@@ -444,7 +444,7 @@ class TritonScorer(Scorer):
         there was room for (overflow); MODE_MAX: each query's maximum only (to time the scan alone)."""
         sel = slice(None) if rows is None else rows
         qp, qscale = self.qp[sel].contiguous(), self.qscale[sel].contiguous()
-        n, m, kt = len(codes), len(qp), candidate_depth(k)
+        n, m, kt = len(codes), len(qp), 1 if mode == MODE_MAX else candidate_depth(k)  # MODE_MAX: one row
         common = self._common(m, mode == MODE_TOPK)
         block_n, q_blocks = common["BLOCK_N"], triton.cdiv(m, common["BLOCK_Q"])
         sms = multiprocessors(qp.device)
