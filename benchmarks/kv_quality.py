@@ -24,13 +24,13 @@ with the ``fp8`` backend (E4M3, one scale per tensor frozen at the prefill) and 
 (int4 / int2, groups of 64 along head_dim, residual window N: ``quanto-int4-rN``); ``fp8-tq``, tqindex's
 ``FP8Cache`` (E4M3, one scale per token and head); tqindex ``TQCache`` presets tq2 / tq3 / tq4 (TurboQuant
 keys and values at 2 / 3 / 4 bits), k8v4, k3v4 (8- or 3-bit keys, 4-bit values) and fp4 (FP4-UE8M0),
-named ``{preset}-r{residual_length}-p{protected_layers}``, keys centered (``center_keys``) unless the name
-ends in ``-nc``, with per-channel key scales (:func:`tqindex.kv.key_scales`, calibrated on the third text
-below) where it ends in ``-ks``; ``policy-b{bits}``: a per-layer policy chosen by :func:`tqindex.kv.calibrate` for an
-average of at most ``bits`` bits per element at ``--tokens`` tokens of context (``policy-b{bits}-ks``: measured
-and kept with key scales), calibrated on a third
-text (:data:`_lm.CALIBRATION_TOPICS`, disjoint from both). tqindex runs use the ``"tqindex"`` attention
-implementation (attention computed from the codes).
+named ``{preset}-r{residual_length}-p{protected_layers}[-s{sink_length}]`` (``-sN``: the first N tokens never
+encoded), keys centered (``center_keys``) unless the name ends in ``-nc``, with per-channel key scales
+(:func:`tqindex.kv.key_scales`, calibrated on the third text below) where it ends in ``-ks``;
+``policy-b{bits}``: a per-layer policy chosen by :func:`tqindex.kv.calibrate` for an average of at most
+``bits`` bits per element at ``--tokens`` tokens of context (``policy-b{bits}-ks``: measured and kept with
+key scales), calibrated on a third text (:data:`_lm.CALIBRATION_TOPICS`, disjoint from both). tqindex runs
+use the ``"tqindex"`` attention implementation (attention computed from the codes).
 
 Usage::
 
@@ -156,6 +156,9 @@ def cache_spec(name: str) -> CacheSpec:
     scaled = name.endswith("-ks")
     center = not name.removesuffix("-ks").endswith("-nc")
     parts = name.removesuffix("-ks").removesuffix("-nc").split("-")
+    sink = 0
+    if len(parts) == 4 and re.fullmatch(r"s\d+", parts[3]):
+        sink, parts = int(parts[3][1:]), parts[:3]
     if (len(parts) == 3 and parts[0] in TQ_PRESETS and parts[1][:1] == "r" and parts[2][:1] == "p"
             and parts[1][1:].isdigit() and parts[2][1:].isdigit()):
         preset, res, prot = parts[0], int(parts[1][1:]), int(parts[2][1:])
@@ -165,19 +168,21 @@ def cache_spec(name: str) -> CacheSpec:
         def make(cfg: Any) -> Any:
             if not scaled:
                 return TQCache(cfg, key_encoder=kenc, value_encoder=venc, residual_length=res,
-                               protected_layers=prot, center_keys=center)
+                               protected_layers=prot, center_keys=center, sink_length=sink)
             if "key_scales" not in CALIBRATION:
                 raise RuntimeError("-ks configurations need the key scales measured by main()")
             policy = KVPolicy.uniform(len(DynamicCache(config=cfg).layers), kenc, venc, res, prot, center)
-            return TQCache(cfg, policy=policy.with_key_scales(CALIBRATION["key_scales"]))
+            return TQCache(cfg, policy=policy.with_key_scales(CALIBRATION["key_scales"]), sink_length=sink)
 
         kv = {"tq2": "tq2 keys + values", "tq3": "tq3 keys + values", "tq4": "tq4 keys + values",
               "k8v4": "tq8 keys, tq4 values", "k3v4": "tq3 keys, tq4 values",
               "fp4": "FP4-UE8M0 keys + values"}[preset]
         keys = ("centered keys" if center else "keys not centered") + (", calibrated key scales" if scaled else "")
-        return CacheSpec(name, "tqindex", f"TQCache {kv}, residual {res}, {prot}+{prot} protected layers, {keys}",
-                         make, "tqindex", preset, res, prot, key_scales=scaled)
-    known = ("dynamic, fp8, fp8-tq, quanto-int{2,4}-r{N}, {" + ",".join(TQ_PRESETS) + "}-r{N}-p{N}[-nc][-ks], "
+        sinks = f", the first {sink} tokens never encoded" if sink else ""
+        return CacheSpec(name, "tqindex",
+                         f"TQCache {kv}, residual {res}, {prot}+{prot} protected layers, {keys}{sinks}", make,
+                         "tqindex", preset, res, prot, key_scales=scaled)
+    known = ("dynamic, fp8, fp8-tq, quanto-int{2,4}-r{N}, {" + ",".join(TQ_PRESETS) + "}-r{N}-p{N}[-s{N}][-nc][-ks], "
              "policy-b{bits}[-ks]")
     raise ValueError(f"unknown configuration {name!r}; known forms: {known}")
 

@@ -124,3 +124,24 @@ def test_scaled_keys():
     got = compressed_attention(q, keys, values, None, 0.125, backend="triton")
     assert got.dtype == torch.float16
     assert float((got.float() - want).norm() / want.norm()) < 2e-3
+
+
+def test_sink_tokens_with_a_padding_mask():
+    """Sinks held before the codes in the sequence, after them in the kernel's window: the mask is reordered."""
+    from tqindex.kv.attention import compressed_attention
+
+    g = torch.Generator().manual_seed(5)
+    store = KVStore(tq.make_encoder("tq4", 64), tq.make_encoder("tq4", 64), residual_length=0, sink_length=4)
+    k, v = torch.randn(2, 2, 140, 64, generator=g), torch.randn(2, 2, 140, 64, generator=g)
+    store.append(k[:, :, :137].to(DEVICE), v[:, :, :137].to(DEVICE))
+    store.append(k[:, :, 137:].to(DEVICE), v[:, :, 137:].to(DEVICE))
+    keys, values = store.view()
+    assert keys.sink == 4 and keys.codes.shape[2] == 133
+    q = torch.randn(2, 4, 3, 64, generator=g).to(DEVICE).half()
+    mask = torch.ones(2, 1, 3, 140, dtype=torch.bool).tril(137)
+    mask[0, ..., 1:3] = False
+    mask[1, ..., 50:60] = False
+    for m in (None, mask.to(DEVICE)):
+        ref = compressed_attention_ref(q.float(), keys, values, m, 0.125)
+        out = compressed_attention(q, keys, values, m, 0.125, backend="triton")
+        assert ((out.float() - ref).norm() / ref.norm()) < 2e-3

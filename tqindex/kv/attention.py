@@ -10,7 +10,10 @@ KV head (GQA) are grouped, never repeated. :func:`compressed_attention_ref` (dec
 
 Masks follow transformers' sdpa convention: bool ``[B|1, 1|Hq, Q, T]`` with True = attend, or an additive
 float mask of that shape, or None = causal (when ``causal`` and Q > 1; queries are the last Q of the T
-positions, so query i sees keys ``j <= T - Q + i``) / no mask.
+positions, so query i sees keys ``j <= T - Q + i``) / no mask. Positions are the sequence's; with sink
+tokens (``CompressedTokens.sink``) the fast paths read the tokens as stored, codes first, and reorder the
+mask's columns to match (a causal mask by position is the same in both orders while the window's newest
+tokens hold the queries' own).
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ def compressed_attention(
     if not isinstance(block_tokens, int) or block_tokens < 1:
         raise ValueError(f"block_tokens must be an integer >= 1, got {block_tokens!r}")
     dtype, q = q.dtype, _scaled_queries(q, keys)
+    mask = _stored_order(mask, keys, nq, causal)
     if _fused(q, keys, values, mask, backend) == "triton":
         from ..kernels.attention_triton import compressed_attention_triton  # imports triton
 
@@ -76,6 +80,20 @@ def compressed_attention(
         k = keys.window[:, :, w0:w1].float()  # [B, Hkv, n, Dk]
         state.add(logits(qg @ k.mT, tc + w0, tc + w1), values.window[:, :, w0:w1].float())
     return state.result().reshape(b, hq, nq, -1).to(dtype)
+
+
+def _stored_order(mask: Tensor | None, keys: CompressedTokens, nq: int, causal: bool) -> Tensor | None:
+    """``mask``'s key columns in the order the tokens are stored (codes, then the window) when the keys hold
+    sink tokens; ValueError where a causal mask by position would differ between the two orders."""
+    sink, tc = keys.sink, keys.codes.shape[2]
+    if not sink or not tc:
+        return mask
+    if mask is None:
+        if causal and nq > keys.window.shape[2] - sink:
+            raise ValueError(f"{nq} causal queries need their tokens in the window's {keys.window.shape[2] - sink} "
+                             "newest tokens (pass an explicit mask)")
+        return None
+    return torch.cat([mask[..., sink : sink + tc], mask[..., :sink], mask[..., sink + tc :]], dim=-1)
 
 
 def _fused(q: Tensor, keys: CompressedTokens, values: CompressedTokens, mask: Tensor | None,
@@ -204,7 +222,7 @@ def _check(q: Tensor, keys: CompressedTokens, values: CompressedTokens) -> tuple
     if q.dim() != 4 or q.shape[-1] != keys.shape[-1]:
         raise ValueError(f"q must have shape [B, Hq, Q, {keys.shape[-1]}], got {tuple(q.shape)}")
     b, hkv, total, _ = keys.shape
-    if values.shape[:3] != keys.shape[:3] or values.codes.shape != keys.codes.shape:
+    if values.shape[:3] != keys.shape[:3] or values.codes.shape != keys.codes.shape or values.sink != keys.sink:
         raise ValueError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} hold different tokens")
     if q.shape[0] != b or q.shape[1] % hkv:
         raise ValueError(f"q [B, Hq] = {tuple(q.shape[:2])} must match batch {b} and a multiple of {hkv} KV heads")

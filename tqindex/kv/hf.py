@@ -121,10 +121,11 @@ class TQLayer(CacheLayerMixin):
         config: PreTrainedConfig | None = None,
         center_keys: bool = False,
         key_scale: Tensor | None = None,
+        sink_length: int = 0,
     ) -> None:
         # CacheLayerMixin.__init__ is not called: it assigns ``keys`` / ``values``, which are read-only here.
         self.is_initialized = False
-        self.store = KVStore(key_encoder, value_encoder, residual_length, center_keys, key_scale)
+        self.store = KVStore(key_encoder, value_encoder, residual_length, center_keys, key_scale, sink_length)
         self.config = config
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "TQLayer":
@@ -187,7 +188,7 @@ class TQLayer(CacheLayerMixin):
     def reset(self) -> None:
         store = self.store
         self.store = KVStore(store.key_encoder, store.value_encoder, store.residual_length, store.center_keys,
-                             store.key_scale)
+                             store.key_scale, store.sink_length)
         self.is_initialized = False
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -251,7 +252,9 @@ class TQCache(DynamicCache):
     attention soft-caps its scores;
     policy: a :class:`~tqindex.kv.policy.KVPolicy` (or its dict, or the path of its JSON file, e.g. from
     :func:`tqindex.kv.calibrate`) choosing encoders, window and full precision per layer, in place of
-    key_encoder, value_encoder, residual_length, protected_layers and center_keys (needs ``config``).
+    key_encoder, value_encoder, residual_length, protected_layers and center_keys (needs ``config``);
+    sink_length: the first tokens of every compressed layer kept in full precision, never encoded (the
+    tokens attention concentrates on whatever they hold, see :mod:`tqindex.kv.store`), policy or not.
 
     Where it differs from ``DynamicCache``, deliberately:
 
@@ -285,9 +288,11 @@ class TQCache(DynamicCache):
         backend: str | None = None,
         center_keys: bool = True,
         policy: KVPolicy | dict | str | os.PathLike | None = None,
+        sink_length: int = 0,
     ) -> None:
         self.backend = kernels.check_backend(backend)
         self.center_keys = check_bool(center_keys, "center_keys")
+        self.sink_length = check_int(sink_length, "sink_length", 0)
         if config is not None and not isinstance(config, PreTrainedConfig):
             if isinstance(config, (str, bytes, dict)) or not isinstance(config, Iterable) or ddp_cache_data is not None:
                 raise TypeError(
@@ -360,7 +365,8 @@ class TQCache(DynamicCache):
             return DynamicLayer()
         keys = _encoder(self.key_encoder, dims[0], "key_encoder", self.backend)
         values = _encoder(self.value_encoder, dims[1], "value_encoder", self.backend)
-        return TQLayer(keys, values, self.residual_length, self._text_config, self.center_keys)
+        return TQLayer(keys, values, self.residual_length, self._text_config, self.center_keys,
+                       sink_length=self.sink_length)
 
     def _policy_layers(self, dims: tuple[int, int]) -> list[CacheLayerMixin]:
         """The layers :attr:`policy` describes: its entry i for a full-attention layer i (other layer types
@@ -376,7 +382,8 @@ class TQCache(DynamicCache):
             keys = encoder_for(entry.key_encoder, dims[0], self.backend)
             values = encoder_for(entry.value_encoder, dims[1], self.backend)
             scale = None if entry.key_scale is None else torch.tensor(entry.key_scale)
-            layers.append(TQLayer(keys, values, entry.residual_length, self._text_config, center, scale))
+            layers.append(TQLayer(keys, values, entry.residual_length, self._text_config, center, scale,
+                                  self.sink_length))
         return layers
 
     def _add_layers(self, layer_idx: int, key_states: Tensor, value_states: Tensor) -> None:
@@ -580,6 +587,7 @@ class _StoreSpec:
     tensors: int
     center_keys: bool
     scaled: bool  # the store's key_scale follows its tensors
+    sink_length: int
 
 
 def _flatten_object(obj: Any, path: str, leaves: list[tuple[str, Tensor]]) -> tuple[type, tuple]:
@@ -598,7 +606,7 @@ def _flatten_object(obj: Any, path: str, leaves: list[tuple[str, Tensor]]) -> tu
             if scaled:
                 leaves.append((f"{path}{name}.key_scale", value.key_scale))
             value = _StoreSpec(value._key_id, value._value_id, value.residual_length, len(tensors), value.center_keys,
-                               scaled)
+                               scaled, value.sink_length)
         elif isinstance(value, Encoder):
             value = _EncoderRef(encoder_key(value))
         elif name == "layers":
@@ -620,7 +628,8 @@ def _unflatten_object(context: tuple[type, tuple], leaves: Iterator[Tensor]) -> 
             tensors = [next(leaves) for _ in range(value.tensors)]
             scale = next(leaves) if value.scaled else None
             encoders = encoder_from_key(value.key_encoder), encoder_from_key(value.value_encoder)
-            value = KVStore.from_tensors(*encoders, value.residual_length, tensors, value.center_keys, scale)
+            value = KVStore.from_tensors(*encoders, value.residual_length, tensors, value.center_keys, scale,
+                                         value.sink_length)
         elif isinstance(value, _EncoderRef):
             value = encoder_from_key(value.key)
         elif name == "layers":

@@ -6,6 +6,11 @@ full precision in the *window*; on the next :meth:`KVStore.append` the tokens th
 encoded once and appended to a :class:`CodesBuffer`, whose capacity doubles when full (amortized O(1)
 per token, no copy of the history per step). Keys and values have their own encoders.
 
+With ``sink_length`` s, the first s tokens of the sequence are never encoded: attention concentrates on
+them whatever they hold (the "attention sinks" of language models), so their error reaches every later
+token's output. They stay at the start of the window, which then holds them and the newest tokens; in the
+sequence's order they come before the codes (:class:`CompressedTokens` ``sink``).
+
 With ``center_keys``, keys are encoded relative to a per-row, per-head offset: the mean of the keys of
 the first (non-empty) append, usually the prompt. Attention is ``softmax(q · kᵀ + mask)``, and a
 constant subtracted from every key of a head shifts each query's scores by the same amount, so the
@@ -130,7 +135,8 @@ class CompressedTokens:
     """Keys or values of one layer as attention reads them: ``codes`` (oldest tokens), then ``window``.
 
     codes:   Codes [B, H, Tc] from ``encoder``.
-    window:  [B, H, W, dim] full-precision tensor of the W most recent tokens.
+    window:  [B, H, W, dim] full-precision tokens: the ``sink`` first tokens of the sequence, then the
+             most recent ones; in the sequence's order [window[:sink], codes, window[sink:]].
     encoder: the encoder of ``codes`` (``dim == encoder.dim``).
     query_scale: None, or keys only: [1, H, 1, dim], the keys are held divided by it channel by channel,
              so attention multiplies the queries of KV head h by it (scores unchanged).
@@ -140,6 +146,7 @@ class CompressedTokens:
     window: Tensor
     encoder: Encoder
     query_scale: Tensor | None = None
+    sink: int = 0
 
     @property
     def shape(self) -> torch.Size:
@@ -148,9 +155,15 @@ class CompressedTokens:
         return torch.Size((b, h, self.codes.shape[2] + w, d))
 
     def materialize(self, dtype: torch.dtype | None = None) -> Tensor:
-        """Decode the codes and append the window: -> [B, H, Tc + W, dim] in ``dtype`` (default: the window's)."""
+        """The tokens in the sequence's order, codes decoded: -> [B, H, Tc + W, dim] in ``dtype`` (default: the
+        window's)."""
         dtype = self.window.dtype if dtype is None else dtype
-        return torch.cat([self.encoder.decode(self.codes).to(dtype), self.window.to(dtype)], dim=2)
+        return in_order(self.window.to(dtype), self.encoder.decode(self.codes).to(dtype), self.sink)
+
+
+def in_order(window: Tensor, codes: Tensor, sink: int) -> Tensor:
+    """The window's ``sink`` first tokens, the tokens ``codes``, then the rest of the window (dim 2)."""
+    return torch.cat([window[:, :, :sink], codes, window[:, :, sink:]], dim=2)
 
 
 class CodesBuffer:
@@ -224,24 +237,28 @@ class KVStore:
 
     ``residual_length``: tokens of previous steps kept in full precision (the current step's chunk is
     always in full precision too). ``append`` first encodes the window tokens beyond that into the
-    buffers, then adds the new chunk to the window. ``center_keys``: store keys minus
+    buffers, then adds the new chunk to the window; ``sink_length``: first tokens never encoded (module notes).
+    ``center_keys``: store keys minus
     :attr:`key_offset`; ``key_scale``: [H, Dk], store keys divided by it (see the module docstring).
     """
 
     def __init__(
         self, key_encoder: Encoder, value_encoder: Encoder, residual_length: int, center_keys: bool = False,
-        key_scale: Tensor | None = None,
+        key_scale: Tensor | None = None, sink_length: int = 0,
     ) -> None:
         for name, enc in (("key_encoder", key_encoder), ("value_encoder", value_encoder)):
             if not isinstance(enc, Encoder):
                 raise TypeError(f"{name} must be a tqindex Encoder, got {type(enc).__name__}")
         if not isinstance(residual_length, int) or isinstance(residual_length, bool) or residual_length < 0:
             raise ValueError(f"residual_length must be an integer >= 0, got {residual_length!r}")
+        if not isinstance(sink_length, int) or isinstance(sink_length, bool) or sink_length < 0:
+            raise ValueError(f"sink_length must be an integer >= 0, got {sink_length!r}")
         if not isinstance(center_keys, bool):
             raise TypeError(f"center_keys must be a bool, got {type(center_keys).__name__}")
         self.key_encoder = key_encoder
         self.value_encoder = value_encoder
         self.residual_length = residual_length
+        self.sink_length = sink_length
         self.center_keys = center_keys
         self.key_offset: Tensor | None = None  # [B, H, 1, Dk] float32, set by the first non-empty append
         self.key_scale = _check_scale(key_scale, key_encoder.dim)  # [H, Dk] float32 or None
@@ -270,9 +287,10 @@ class KVStore:
         tensors: list[Tensor],
         center_keys: bool = False,
         key_scale: Tensor | None = None,
+        sink_length: int = 0,
     ) -> "KVStore":
         """Inverse of :meth:`tensors`: a store holding exactly those codes, windows and key offset."""
-        store = cls(key_encoder, value_encoder, residual_length, center_keys, key_scale)
+        store = cls(key_encoder, value_encoder, residual_length, center_keys, key_scale, sink_length)
         if tensors:
             nk, nv = len(_LAYOUTS[store._key_id]), len(_LAYOUTS[store._value_id])
             if len(tensors) not in (nk + nv + 2, nk + nv + 3) or (len(tensors) == nk + nv + 3 and not center_keys):
@@ -298,6 +316,14 @@ class KVStore:
     def window_length(self) -> int:
         """Tokens held in full precision."""
         return 0 if self._key_window is None else self._key_window.shape[2]
+
+    @property
+    def sink_held(self) -> int:
+        """Sink tokens at the start of the window: all ``sink_length`` once any token is encoded (sinks are
+        never encoded), else as many as the window holds (its tokens are then the first of the sequence)."""
+        if not self.sink_length:
+            return 0
+        return self.sink_length if self.compressed_length else min(self.sink_length, self.window_length)
 
     @property
     def seq_length(self) -> int:
@@ -356,14 +382,17 @@ class KVStore:
             self.values = CodesBuffer(empty_codes(self._value_id, (b, h, 0), value.device))
             self._key_window, self._value_window = key, value
             return
-        old = self.window_length - self.residual_length
-        if old > 0:  # tokens that left the window: encode once, append to the buffers
-            leaving = self._held_keys(self._key_window[:, :, :old])
-            self.keys.append(encode_tokens(self.key_encoder, leaving, self._key_id))
-            self.values.append(encode_tokens(self.value_encoder, self._value_window[:, :, :old], self._value_id))
-        keep = slice(max(old, 0), None)
-        self._key_window = torch.cat([self._key_window[:, :, keep], key], dim=2)
-        self._value_window = torch.cat([self._value_window[:, :, keep], value], dim=2)
+        sink = self.sink_held
+        old = self.window_length - sink - self.residual_length
+        if old > 0:  # tokens that left the window (past the sinks): encode once, append to the buffers
+            leaving = slice(sink, sink + old)
+            self.keys.append(encode_tokens(self.key_encoder, self._held_keys(self._key_window[:, :, leaving]),
+                                           self._key_id))
+            self.values.append(encode_tokens(self.value_encoder, self._value_window[:, :, leaving], self._value_id))
+        rest = slice(sink + max(old, 0), None)
+        self._key_window = torch.cat([self._key_window[:, :, :sink], self._key_window[:, :, rest], key], dim=2)
+        self._value_window = torch.cat([self._value_window[:, :, :sink], self._value_window[:, :, rest], value],
+                                       dim=2)
 
     def crop(self, length: int) -> None:
         """Keep the first ``length`` tokens (``0 <= length``; longer than held is a no-op)."""
@@ -371,9 +400,10 @@ class KVStore:
             raise ValueError(f"length must be an integer >= 0, got {length!r}")
         if self.keys is None:
             return
-        self.keys.crop(length)
-        self.values.crop(length)
-        keep = max(0, length - self.compressed_length)
+        sink = min(self.sink_held, length)
+        self.keys.crop(length - sink)
+        self.values.crop(length - sink)
+        keep = sink + max(0, length - sink - self.compressed_length)
         self._key_window = self._key_window[:, :, :keep]
         self._value_window = self._value_window[:, :, :keep]
 
@@ -422,9 +452,10 @@ class KVStore:
         if self.key_offset is not None or self.key_scale is not None:
             window = self._held_keys(window).to(window.dtype)
         scale = None if self.key_scale is None else self.key_scale[None, :, None, :]
+        sink = self.sink_held
         return (
-            CompressedTokens(self.keys.view(), window, self.key_encoder, scale),
-            CompressedTokens(self.values.view(), self._value_window, self.value_encoder),
+            CompressedTokens(self.keys.view(), window, self.key_encoder, scale, sink),
+            CompressedTokens(self.values.view(), self._value_window, self.value_encoder, sink=sink),
         )
 
     def materialize(self, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
@@ -432,15 +463,15 @@ class KVStore:
         return self.materialize_keys(dtype), self.materialize_values(dtype)
 
     def materialize_keys(self, dtype: torch.dtype | None = None) -> Tensor:
-        """Decoded keys [B, H, T, Dk] in ``dtype`` (default: the window's): the codes' plus :attr:`key_offset`,
-        then the window as held."""
+        """Decoded keys [B, H, T, Dk] in ``dtype`` (default: the window's), in the sequence's order: the codes'
+        plus :attr:`key_offset`, the window as held."""
         if self.keys is None:
             raise ValueError("the KVStore is empty: append tokens before reading it")
         dtype = self._key_window.dtype if dtype is None else dtype
         codes = self.key_encoder.decode(self.keys.view()).float()
         codes = codes if self.key_scale is None else codes * self.key_scale[:, None, :]
         codes = codes if self.key_offset is None else codes + self.key_offset
-        return torch.cat([codes.to(dtype), self._key_window.to(dtype)], dim=2)
+        return in_order(self._key_window.to(dtype), codes.to(dtype), self.sink_held)
 
     def materialize_values(self, dtype: torch.dtype | None = None) -> Tensor:
         """Decoded values [B, H, T, Dv] in ``dtype`` (default: the window's)."""
