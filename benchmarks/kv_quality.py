@@ -25,8 +25,10 @@ with the ``fp8`` backend (E4M3, one scale per tensor frozen at the prefill) and 
 ``FP8Cache`` (E4M3, one scale per token and head); tqindex ``TQCache`` presets tq2 / tq3 / tq4 (TurboQuant
 keys and values at 2 / 3 / 4 bits), k8v4, k3v4 (8- or 3-bit keys, 4-bit values) and fp4 (FP4-UE8M0),
 named ``{preset}-r{residual_length}-p{protected_layers}[-s{sink_length}]`` (``-sN``: the first N tokens never
-encoded), keys centered (``center_keys``) unless the name ends in ``-nc``, with per-channel key scales
-(:func:`tqindex.kv.key_scales`, calibrated on the third text below) where it ends in ``-ks``;
+encoded), keys centered (``center_keys``) unless the name ends in ``-nc``, keys stored with the scale that
+makes their inner products unbiased (``rescale="unbiased"``, where the default keeps their norms) with
+``-ku``, with per-channel key scales (:func:`tqindex.kv.key_scales`, calibrated on the third text below)
+with ``-ks``;
 ``policy-b{bits}``: a per-layer policy chosen by :func:`tqindex.kv.calibrate` for an average of at most
 ``bits`` bits per element at ``--tokens`` tokens of context (``policy-b{bits}-ks``: measured and kept with
 key scales), calibrated on a third text (:data:`_lm.CALIBRATION_TOPICS`, disjoint from both). tqindex runs
@@ -153,37 +155,42 @@ def cache_spec(name: str) -> CacheSpec:
                          f"QuantizedCache quanto int{bits}, groups of 64, residual {res}",
                          lambda cfg: QuantizedCache("quanto", cfg, nbits=bits, residual_length=res),
                          residual_length=res)
-    scaled = name.endswith("-ks")
-    center = not name.removesuffix("-ks").endswith("-nc")
-    parts = name.removesuffix("-ks").removesuffix("-nc").split("-")
-    sink = 0
-    if len(parts) == 4 and re.fullmatch(r"s\d+", parts[3]):
-        sink, parts = int(parts[3][1:]), parts[:3]
-    if (len(parts) == 3 and parts[0] in TQ_PRESETS and parts[1][:1] == "r" and parts[2][:1] == "p"
-            and parts[1][1:].isdigit() and parts[2][1:].isdigit()):
+    parts = name.split("-")
+    flags = parts[3:]  # in this order where given: sN, nc, ku, ks
+    order = [g for f in ("s", "nc", "ku", "ks") for g in flags if g == f or (f == "s" and re.fullmatch(r"s\d+", g))]
+    if (len(parts) >= 3 and parts[0] in TQ_PRESETS and parts[1][:1] == "r" and parts[2][:1] == "p"
+            and parts[1][1:].isdigit() and parts[2][1:].isdigit() and flags == order and len(set(flags)) == len(flags)):
         preset, res, prot = parts[0], int(parts[1][1:]), int(parts[2][1:])
+        sink = next((int(f[1:]) for f in flags if f[0] == "s"), 0)
+        center, unbiased, scaled = "nc" not in flags, "ku" in flags, "ks" in flags
         pair = re.fullmatch(r"k(\d)v(\d)", preset)
         kenc, venc = (preset, preset) if not pair else (f"tq{pair[1]}", f"tq{pair[2]}")
+        if unbiased and preset == "fp4":
+            raise ValueError(f"{name}: -ku rescales TurboQuant keys, fp4 has none")
+        kspec = {"type": "TurboQuantMSE", "bits": int(kenc[2:]), "rescale": "unbiased"} if unbiased else kenc
 
         def make(cfg: Any) -> Any:
-            if not scaled:
+            if not (scaled or unbiased):
                 return TQCache(cfg, key_encoder=kenc, value_encoder=venc, residual_length=res,
                                protected_layers=prot, center_keys=center, sink_length=sink)
-            if "key_scales" not in CALIBRATION:
-                raise RuntimeError("-ks configurations need the key scales measured by main()")
-            policy = KVPolicy.uniform(len(DynamicCache(config=cfg).layers), kenc, venc, res, prot, center)
-            return TQCache(cfg, policy=policy.with_key_scales(CALIBRATION["key_scales"]), sink_length=sink)
+            policy = KVPolicy.uniform(len(DynamicCache(config=cfg).layers), kspec, venc, res, prot, center)
+            if scaled:
+                if "key_scales" not in CALIBRATION:
+                    raise RuntimeError("-ks configurations need the key scales measured by main()")
+                policy = policy.with_key_scales(CALIBRATION["key_scales"])
+            return TQCache(cfg, policy=policy, sink_length=sink)
 
         kv = {"tq2": "tq2 keys + values", "tq3": "tq3 keys + values", "tq4": "tq4 keys + values",
               "k8v4": "tq8 keys, tq4 values", "k3v4": "tq3 keys, tq4 values",
               "fp4": "FP4-UE8M0 keys + values"}[preset]
-        keys = ("centered keys" if center else "keys not centered") + (", calibrated key scales" if scaled else "")
+        keys = (("centered keys" if center else "keys not centered") + (", calibrated key scales" if scaled else "")
+                + (", keys scaled for unbiased inner products" if unbiased else ""))
         sinks = f", the first {sink} tokens never encoded" if sink else ""
         return CacheSpec(name, "tqindex",
                          f"TQCache {kv}, residual {res}, {prot}+{prot} protected layers, {keys}{sinks}", make,
                          "tqindex", preset, res, prot, key_scales=scaled)
-    known = ("dynamic, fp8, fp8-tq, quanto-int{2,4}-r{N}, {" + ",".join(TQ_PRESETS) + "}-r{N}-p{N}[-s{N}][-nc][-ks], "
-             "policy-b{bits}[-ks]")
+    known = ("dynamic, fp8, fp8-tq, quanto-int{2,4}-r{N}, {" + ",".join(TQ_PRESETS)
+             + "}-r{N}-p{N}[-s{N}][-nc][-ku][-ks], policy-b{bits}[-ks]")
     raise ValueError(f"unknown configuration {name!r}; known forms: {known}")
 
 
