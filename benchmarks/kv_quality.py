@@ -167,12 +167,14 @@ def cache_spec(name: str) -> CacheSpec:
         kenc, venc = (preset, preset) if not pair else (f"tq{pair[1]}", f"tq{pair[2]}")
         if unbiased and preset == "fp4":
             raise ValueError(f"{name}: -ku rescales TurboQuant keys, fp4 has none")
-        kspec = {"type": "TurboQuantMSE", "bits": int(kenc[2:]), "rescale": "unbiased"} if unbiased else kenc
 
         def make(cfg: Any) -> Any:
             if not (scaled or unbiased):
                 return TQCache(cfg, key_encoder=kenc, value_encoder=venc, residual_length=res,
                                protected_layers=prot, center_keys=center, sink_length=sink)
+            dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+            kspec = {"type": "TurboQuantMSE", "dim": dim, "bits": int(kenc[2:]), "rescale": "unbiased"} \
+                if unbiased else kenc
             policy = KVPolicy.uniform(len(DynamicCache(config=cfg).layers), kspec, venc, res, prot, center)
             if scaled:
                 if "key_scales" not in CALIBRATION:
