@@ -166,7 +166,7 @@ def cache_spec(name: str) -> CacheSpec:
         pair = re.fullmatch(r"k(\d)v(\d)", preset)
         kenc, venc = (preset, preset) if not pair else (f"tq{pair[1]}", f"tq{pair[2]}")
         if unbiased and preset == "fp4":
-            raise ValueError(f"{name}: -ku rescales TurboQuant keys, fp4 has none")
+            raise ValueError(f"configuration {name!r}: -ku rescales TurboQuant keys, fp4 has none")
 
         def make(cfg: Any) -> Any:
             if not (scaled or unbiased):

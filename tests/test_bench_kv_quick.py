@@ -42,9 +42,20 @@ def test_every_default_configuration_parses():
     assert (spec.preset, spec.residual_length, spec.protected_layers) == ("k3v4", 0, 2)
     assert "centered keys" in spec.description and "not centered" in kv_quality.cache_spec("tq4-r0-p0-nc").description
     assert kv_quality.cache_spec("policy-b2.5").budget_bits == 2.5
+    spec = kv_quality.cache_spec("tq3-r0-p0-s4-nc-ku-ks")
+    assert all(s in spec.description for s in ("first 4 tokens", "not centered", "unbiased", "key scales"))
 
 
-@pytest.mark.parametrize("name", ["tq5-r0-p0", "tq4-r128", "quanto-int4", "fp16", "tq4-rx-p2", "policy-bx"])
+def test_sinks_and_unbiased_keys_reach_the_cache():
+    cfg = tiny_config()
+    cache = kv_quality.cache_spec("tq4-r0-p0-s4-ku").make(cfg)
+    fill(cache)
+    store = cache.layers[0].store
+    assert store.sink_length == 4 and store.key_encoder.rescale == "unbiased" and store.value_encoder.rescale == "cos"
+
+
+@pytest.mark.parametrize("name", ["tq5-r0-p0", "tq4-r128", "quanto-int4", "fp16", "tq4-rx-p2", "policy-bx",
+                                  "tq4-r0-p0-ks-ku", "tq4-r0-p0-s4-s4", "tq4-r0-p0-x", "fp4-r0-p0-ku"])
 def test_unknown_configuration_is_rejected(name):
     with pytest.raises(ValueError, match="configuration"):
         kv_quality.cache_spec(name)
