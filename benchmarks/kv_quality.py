@@ -155,14 +155,10 @@ def cache_spec(name: str) -> CacheSpec:
                          f"QuantizedCache quanto int{bits}, groups of 64, residual {res}",
                          lambda cfg: QuantizedCache("quanto", cfg, nbits=bits, residual_length=res),
                          residual_length=res)
-    parts = name.split("-")
-    flags = parts[3:]  # in this order where given: sN, nc, ku, ks
-    order = [g for f in ("s", "nc", "ku", "ks") for g in flags if g == f or (f == "s" and re.fullmatch(r"s\d+", g))]
-    if (len(parts) >= 3 and parts[0] in TQ_PRESETS and parts[1][:1] == "r" and parts[2][:1] == "p"
-            and parts[1][1:].isdigit() and parts[2][1:].isdigit() and flags == order and len(set(flags)) == len(flags)):
-        preset, res, prot = parts[0], int(parts[1][1:]), int(parts[2][1:])
-        sink = next((int(f[1:]) for f in flags if f[0] == "s"), 0)
-        center, unbiased, scaled = "nc" not in flags, "ku" in flags, "ks" in flags
+    cfg_match = re.fullmatch(r"(\w+)-r(\d+)-p(\d+)(?:-s(\d+))?(-nc)?(-ku)?(-ks)?", name)
+    if cfg_match and cfg_match[1] in TQ_PRESETS:
+        preset, res, prot, sink = (cfg_match[1], *(int(g or 0) for g in cfg_match.groups()[1:4]))
+        center, unbiased, scaled = (not cfg_match[5], bool(cfg_match[6]), bool(cfg_match[7]))
         pair = re.fullmatch(r"k(\d)v(\d)", preset)
         kenc, venc = (preset, preset) if not pair else (f"tq{pair[1]}", f"tq{pair[2]}")
         if unbiased and preset == "fp4":

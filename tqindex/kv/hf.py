@@ -383,7 +383,7 @@ class TQCache(DynamicCache):
             values = encoder_for(entry.value_encoder, dims[1], self.backend)
             scale = None if entry.key_scale is None else torch.tensor(entry.key_scale)
             layers.append(TQLayer(keys, values, entry.residual_length, self._text_config, center, scale,
-                                  self.sink_length))
+                                  sink_length=self.sink_length))
         return layers
 
     def _add_layers(self, layer_idx: int, key_states: Tensor, value_states: Tensor) -> None:
