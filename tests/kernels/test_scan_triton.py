@@ -92,7 +92,7 @@ def test_ivf_scan_equals_the_reference(metric):
 
 
 @pytest.mark.parametrize("room", [(3, 256), (0, 0)])  # (0, 0): no room, every query scanned again
-@pytest.mark.parametrize("nq", [1, 3])  # FMAs, MMAs
+@pytest.mark.parametrize("nq", [1, 3, 40])  # FMAs, MMAs (16 and 64 queries per program)
 def test_sampled_bound_then_filter(monkeypatch, room, nq):
     """Large scans bound each query's k-th best by the top-k of a sample, keep the rows that reach it, and
     scan overflowing queries again with a running top-k: the same results as the reference."""

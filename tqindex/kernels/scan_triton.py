@@ -269,7 +269,8 @@ def _flat_scan_kernel(CODES, NORM, n, row_bytes, QP, qw, nq, QSCALE, MAG, OUT_V,
 
     MODE 0 (top-k): the top-KT rows of each query, written to OUT_V / OUT_I [splits, KT, nq].
     MODE 1 (filter): every row scoring at least THR[q] appended to OUT_V / OUT_I [nq, cap] at the query's
-    count COUNT[q] (atomic; rows past ``cap`` are counted, not written).
+    count COUNT[q] (atomic, one per query column and round: a tile's hits leave one per column per round;
+    rows past ``cap`` are counted, not written).
     MODE 2: only each query's maximum (to time the scan alone).
     MODE 3 (tile maxima): each tile's maximum per query, OUT_V [tiles, nq] (tile = first row / BLOCK_N)."""
     qb, sp = tl.program_id(0), tl.program_id(1)
@@ -291,12 +292,19 @@ def _flat_scan_kernel(CODES, NORM, n, row_bytes, QP, qw, nq, QSCALE, MAG, OUT_V,
             vals, idx = _insert(vals, idx, score, rows, KT, BLOCK_N)
         elif MODE == 1:
             hit = (score >= thr[None, :]) & qmask[None, :]
-            if tl.max(tl.max(hit.to(tl.int32), axis=1), axis=0) > 0:
-                slot = tl.atomic_add(COUNT + qcols[None, :] + 0 * rows[:, None], 1, mask=hit)
-                ok = hit & (slot < cap)
-                at = qcols[None, :].to(tl.int64) * cap + slot
-                tl.store(OUT_V + at, score, mask=ok)
-                tl.store(OUT_I + at, rows[:, None] + 0 * qcols[None, :], mask=ok)
+            if tl.max(tl.max(hit.to(tl.int32), axis=1), axis=0) > 0:  # hits leave one per column per round
+                left = tl.where(hit, score, float("-inf"))
+                best = tl.max(left, axis=0)
+                while tl.max(best, axis=0) > float("-inf"):
+                    take = best > float("-inf")
+                    at_row = tl.argmax(left, axis=0)
+                    slot = tl.atomic_add(COUNT + qcols, 1, mask=take)
+                    ok = take & (slot < cap)
+                    at = qcols.to(tl.int64) * cap + slot
+                    tl.store(OUT_V + at, best, mask=ok)
+                    tl.store(OUT_I + at, r0 + at_row, mask=ok)
+                    left = tl.where(tl.arange(0, BLOCK_N)[:, None] == at_row[None, :], float("-inf"), left)
+                    best = tl.max(left, axis=0)
         elif MODE == 2:
             vals = tl.maximum(vals, tl.max(score, axis=0)[None, :])
         else:
@@ -405,7 +413,7 @@ def candidate_depth(k: int) -> int:
     return triton.next_power_of_2(k + max(8, k // 4))
 
 
-SAMPLE_FRACTION = 16
+SAMPLE_FRACTION = 8
 """A flat scan first scans one row in this many (at least SAMPLE_TILES tiles per candidate kept) and
 takes each tile's best score per query: the k-th largest of those (k distinct rows) bounds the final
 k-th best from below, so the full scan keeps only the rows that reach it (about k * SAMPLE_FRACTION per
