@@ -74,7 +74,7 @@ def test_readme_kv_cache_example_runs(capsys):
     """The KV example as printed: SmolLM2-135M offline (converted once, then loaded from the cache folder)."""
     smollm2_or_skip()
     scope: dict = {}
-    exec(compile(block_with("python", "protected_layers=2)"), str(README), "exec"), scope)
+    exec(compile(block_with("python", "cache = TQCache(model.config)"), str(README), "exec"), scope)
     cache, inputs, out = scope["cache"], scope["inputs"], scope["out"]
     assert out.shape[1] == inputs.input_ids.shape[1] + 16 and cache.get_seq_length() == out.shape[1] - 1
     assert 1000 < inputs.input_ids.shape[1] < 1300

@@ -166,5 +166,8 @@ for _b in MSE_BITS:
         f"tq{_b}-norm",
         lambda dim, _b=_b, **kw: TurboQuantMSE(dim=dim, bits=_b, **{"rescale": "norm", "code_search": 1, **kw}),
     )
+    register_name(
+        f"tq{_b}-unbiased", lambda dim, _b=_b, **kw: TurboQuantMSE(dim=dim, bits=_b, **{"rescale": "unbiased", **kw})
+    )
 for _b in (1, 2, 3, 4):
     register_name(f"tq{_b}-prod", lambda dim, _b=_b, **kw: TurboQuantProd(dim=dim, bits=_b, **kw))

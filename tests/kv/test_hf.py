@@ -77,7 +77,7 @@ def test_compressed_attention_logits_equal_decode_then_sdpa(llama, encoders, res
             with torch.no_grad():
                 logits[impl] = forward(llama, tokens[:, t0:t1], c).logits
         torch.testing.assert_close(logits[ATTN_IMPLEMENTATION], logits["sdpa"], rtol=1e-5, atol=1e-5)
-    assert cache.layers[0].store.compressed_length == 30 - 5 - residual
+    assert cache.layers[0].store.compressed_length == 30 - 5 - residual - cache.sink_length
 
 
 def test_deepcopy_shares_encoders_and_config(llama):
@@ -156,7 +156,7 @@ def test_crop_then_continue(llama):
     for c in (dense, cache):
         c.crop(-9)  # beyond the full-precision window: into the codes
         assert c.get_seq_length() == out.shape[1] - 10
-    assert compressed_layers(cache)[0].store.window_length == 0
+    assert compressed_layers(cache)[0].store.window_length == cache.sink_length  # the sinks only
     resumed = out[:, : out.shape[1] - 9]
     assert torch.equal(generate(llama, cache, input_ids=resumed), generate(llama, dense, "sdpa", input_ids=resumed))
 
@@ -227,7 +227,11 @@ def test_presets_and_validation(llama):
     cache = TQCache.preset(llama.config, "k8v4", residual_length=16, protected_layers=1)
     layer = compressed_layers(cache)[0]
     assert layer.store.key_encoder.bits == 8 and layer.store.value_encoder.bits == 4
-    assert layer.store.residual_length == 16
+    assert layer.store.key_encoder.rescale == "unbiased" and layer.store.value_encoder.rescale == "cos"
+    assert layer.store.residual_length == 16 and layer.store.sink_length == 4
+    default = compressed_layers(TQCache(llama.config, protected_layers=0))[0].store
+    assert (default.key_encoder.to_dict(), default.value_encoder.to_dict()) == (
+        tq.make_encoder("tq4", 32, rescale="unbiased").to_dict(), tq.make_encoder("tq4", 32).to_dict())
     fp4 = TQCache.preset(llama.config, "fp4", protected_layers=1)
     assert isinstance(compressed_layers(fp4)[0].store.key_encoder, tq.FP4UE8M0)
     assert compressed_layers(TQCache.preset(llama.config, "k2v2", protected_layers=0))[0].store.value_encoder.bits == 2

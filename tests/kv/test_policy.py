@@ -146,7 +146,7 @@ def test_policy_bits_match_the_bytes_a_cache_holds():
             model(input_ids=ids[:, i:i + 1], **{CACHE_KW: cache})
     elements = 40 * 4 * 2 * (32 + 32)  # tokens x layers x KV heads x (Dk + Dv)
     held = 8 * cache.nbytes() / elements
-    predicted = policy.bits_per_element(2, 32, 32, 40, 4)  # float32 model
+    predicted = policy.bits_per_element(2, 32, 32, 40, 4, cache.sink_length)  # float32 model
     codes_in_window = sum(8 * layer.store.window_length * 2 * (layer.store.key_encoder.code_size
                                                                + layer.store.value_encoder.code_size)
                           for layer in cache.layers if isinstance(layer, TQLayer)) / elements
@@ -165,10 +165,12 @@ def test_calibration_spends_the_budget_where_it_matters():
     assert all(x >= 0 for side in (sens.key_kl, sens.value_kl) for v in side.values() for x in v)
     assert sum(sens.key_kl["tq4"]) < sum(sens.key_kl["tq2"])  # 4-bit keys disturb less than 2-bit keys
     assert sum(sens.value_kl["tq4"]) < sum(sens.value_kl["tq2"])
-    for budget in (2.8, 3.6, 4.8):  # tq2 / tq4 keys and values: 2.5 / 4.5 bits at head dim 32
+    for budget in (3.0, 3.6, 4.8):  # tq2 / tq4 keys and values: 2.5 / 4.5 bits at head dim 32
         policy = policy_for_budget(sens, budget, allow_dense=False, context_tokens=512)
         assert policy.calibration["bits"] <= budget
         assert all(not layer.dense for layer in policy.layers)
+    no_sinks = policy.bits_per_element(sens.heads, sens.key_dim, sens.value_dim, 512, sens.dense_bytes)
+    assert policy.calibration["bits"] - no_sinks == pytest.approx(8 * 4 * sens.dense_bytes / 512)  # 4 sinks counted
     roomy = policy_for_budget(sens, 40.0, context_tokens=512)  # float32 full precision fits: zero loss
     assert all(layer.dense for layer in roomy.layers) and roomy.calibration["predicted_kl"] == 0.0
     with pytest.raises(ValueError, match="below the cheapest"):

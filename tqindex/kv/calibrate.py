@@ -136,18 +136,21 @@ def measure_sensitivity(
 
 
 def policy_for_budget(sensitivity: Sensitivity, budget_bits: float, *, allow_dense: bool = True,
-                      context_tokens: int = 2048) -> KVPolicy:
+                      context_tokens: int = 2048, sink_length: int = 4) -> KVPolicy:
     """The policy of least predicted loss (summed KL) whose layers store at most ``budget_bits`` bits per
     key/value element on average, side data and full-precision layers included, at a context of
-    ``context_tokens`` tokens (:meth:`KVPolicy.bits_per_element`). Options per layer: every pair of the
+    ``context_tokens`` tokens in a cache that keeps its first ``sink_length`` tokens in full precision
+    (``TQCache``'s default; :meth:`KVPolicy.bits_per_element`). Options per layer: every pair of the
     measured key and value encoders, and full precision if ``allow_dense``. The policy's ``calibration``
     records the budget, the bits reached, the predicted KL and the measurement. ValueError when the budget
     is below the cheapest choice."""
     check_int(context_tokens, "context_tokens", 1)
+    check_int(sink_length, "sink_length", 0)
     s = sensitivity
     widths = list(s.key_kl)
     options = [LayerPolicy(k, v) for k in widths for v in widths] + ([LayerPolicy(dense=True)] if allow_dense else [])
-    per_token = [o.bytes_per_token(s.heads, s.key_dim, s.value_dim, context_tokens, s.dense_bytes, s.center_keys)
+    per_token = [o.bytes_per_token(s.heads, s.key_dim, s.value_dim, context_tokens, s.dense_bytes, s.center_keys,
+                                   sink_length)
                  for o in options]
     losses = [[0.0 if o.dense else s.key_kl[o.key_encoder][i] + s.value_kl[o.value_encoder][i] for o in options]
               for i in range(s.layers)]
@@ -158,8 +161,8 @@ def policy_for_budget(sensitivity: Sensitivity, budget_bits: float, *, allow_den
         policy = policy.with_key_scales(s.key_scales)
     policy.calibration = {
         "method": "per-layer KL divergence, keys and values measured apart (tqindex.kv.calibrate)",
-        "budget_bits": budget_bits, "context_tokens": context_tokens,
-        "bits": policy.bits_per_element(s.heads, s.key_dim, s.value_dim, context_tokens, s.dense_bytes),
+        "budget_bits": budget_bits, "context_tokens": context_tokens, "sink_length": sink_length,
+        "bits": policy.bits_per_element(s.heads, s.key_dim, s.value_dim, context_tokens, s.dense_bytes, sink_length),
         "predicted_kl": sum(losses[i][j] for i, j in enumerate(chosen)), "sensitivity": s.to_dict(),
     }
     return policy
@@ -167,7 +170,8 @@ def policy_for_budget(sensitivity: Sensitivity, budget_bits: float, *, allow_den
 
 def calibrate(model: Any, tokens: Tensor, budget_bits: float, *, bits: tuple[int, ...] = (2, 3, 4),
               allow_dense: bool = True, prefix: int = 384, scored: int = 64, context_tokens: int = 2048,
-              center_keys: bool = True, backend: str | None = None, scale_keys: bool = False) -> KVPolicy:
+              sink_length: int = 4, center_keys: bool = True, backend: str | None = None,
+              scale_keys: bool = False) -> KVPolicy:
     """A :class:`KVPolicy` for ``model`` at most ``budget_bits`` bits per stored key/value element on
     average: :func:`measure_sensitivity` on calibration ids ``tokens`` [1, T], then :func:`policy_for_budget`
     (arguments as there); with ``scale_keys``, key scales measured on the same tokens first
@@ -176,7 +180,8 @@ def calibrate(model: Any, tokens: Tensor, budget_bits: float, *, bits: tuple[int
     scales = key_scales(model, tokens) if check_bool(scale_keys, "scale_keys") else None
     sensitivity = measure_sensitivity(model, tokens, bits=bits, prefix=prefix, scored=scored,
                                       center_keys=center_keys, backend=backend, key_scales=scales)
-    return policy_for_budget(sensitivity, budget_bits, allow_dense=allow_dense, context_tokens=context_tokens)
+    return policy_for_budget(sensitivity, budget_bits, allow_dense=allow_dense, context_tokens=context_tokens,
+                             sink_length=sink_length)
 
 
 _CAPTURE = "tqindex-calibrate-capture"

@@ -240,7 +240,9 @@ class TQCache(DynamicCache):
     config: the model's config (``model.config``; the attention mode follows its ``_attn_implementation``,
     see the module docstring), or None to add layers as they are first updated. As ``DynamicCache``'s first
     argument it may also be ``ddp_cache_data``. key_encoder / value_encoder: encoder names for
-    :func:`~tqindex.make_encoder` ("tq4", "tq8", "fp4", ...) or Encoder objects of the head dim;
+    :func:`~tqindex.make_encoder` ("tq4", "tq8", "fp4", ...) or Encoder objects of the head dim (the default
+    keys, "tq4-unbiased", scale each code for unbiased inner products with queries: see the README's
+    measurements);
     residual_length: recent tokens kept in full precision; protected_layers: first and last attention
     layers kept entirely in full precision; ddp_cache_data: per-layer ``(keys, values[, sliding window
     tensor])`` to start from (``DataParallel`` gathers caches this way); offloading,
@@ -254,7 +256,8 @@ class TQCache(DynamicCache):
     :func:`tqindex.kv.calibrate`) choosing encoders, window and full precision per layer, in place of
     key_encoder, value_encoder, residual_length, protected_layers and center_keys (needs ``config``);
     sink_length: the first tokens of every compressed layer kept in full precision, never encoded (the
-    tokens attention concentrates on whatever they hold, see :mod:`tqindex.kv.store`), policy or not.
+    tokens attention concentrates on whatever they hold, see :mod:`tqindex.kv.store`), policy or not; 0 encodes
+    them like any other.
 
     Where it differs from ``DynamicCache``, deliberately:
 
@@ -277,7 +280,7 @@ class TQCache(DynamicCache):
     def __init__(
         self,
         config: PreTrainedConfig | Iterable[tuple[Tensor | None, ...]] | None = None,
-        key_encoder: str | Encoder = "tq4",
+        key_encoder: str | Encoder = "tq4-unbiased",
         value_encoder: str | Encoder = "tq4",
         residual_length: int = 128,
         protected_layers: int = 2,
@@ -288,7 +291,7 @@ class TQCache(DynamicCache):
         backend: str | None = None,
         center_keys: bool = True,
         policy: KVPolicy | dict | str | os.PathLike | None = None,
-        sink_length: int = 0,
+        sink_length: int = 4,
     ) -> None:
         self.backend = kernels.check_backend(backend)
         self.center_keys = check_bool(center_keys, "center_keys")
@@ -344,14 +347,15 @@ class TQCache(DynamicCache):
 
     @classmethod
     def preset(cls, config: PreTrainedConfig | None, name: str, **kwargs: Any) -> "TQCache":
-        """Cache from a preset name: ``"k{a}v{b}"`` (TurboQuant "tq{a}" keys, "tq{b}" values, a, b in
-        1, 2, 3, 4, 8; e.g. "k8v4", "k4v4", "k3v4", "k2v2") or ``"fp4"`` (FP4-UE8M0 keys and values).
+        """Cache from a preset name: ``"k{a}v{b}"`` (TurboQuant "tq{a}-unbiased" keys, as by default, and
+        "tq{b}" values, a, b in 1, 2, 3, 4, 8; e.g. "k8v4", "k4v4", "k3v4", "k2v2") or ``"fp4"`` (FP4-UE8M0
+        keys and values).
         ``kwargs`` go to the constructor (``residual_length``, ``protected_layers``, ...)."""
         match = _PRESET.fullmatch(name) if isinstance(name, str) else None
         if name == "fp4":
             return cls(config, "fp4", "fp4", **kwargs)
         if match and all(int(b) in MSE_BITS for b in match.groups()):
-            return cls(config, f"tq{match[1]}", f"tq{match[2]}", **kwargs)
+            return cls(config, f"tq{match[1]}-unbiased", f"tq{match[2]}", **kwargs)
         raise ValueError(f"preset must be 'fp4' or 'k{{a}}v{{b}}' with a, b in {MSE_BITS}, got {name!r}")
 
     # -- layers ------------------------------------------------------------------------------------
