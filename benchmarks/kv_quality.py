@@ -168,20 +168,16 @@ def cache_spec(name: str) -> CacheSpec:
         kenc, venc = (preset, preset) if not pair else (f"tq{pair[1]}", f"tq{pair[2]}")
         if unbiased and preset == "fp4":
             raise ValueError(f"configuration {name!r}: -ku rescales TurboQuant keys, fp4 has none")
+        kenc += "-unbiased" if unbiased else ""
 
         def make(cfg: Any) -> Any:
-            if not (scaled or unbiased):
+            if not scaled:
                 return TQCache(cfg, key_encoder=kenc, value_encoder=venc, residual_length=res,
                                protected_layers=prot, center_keys=center, sink_length=sink)
-            dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-            kspec = {"type": "TurboQuantMSE", "dim": dim, "bits": int(kenc[2:]), "rescale": "unbiased"} \
-                if unbiased else kenc
-            policy = KVPolicy.uniform(len(DynamicCache(config=cfg).layers), kspec, venc, res, prot, center)
-            if scaled:
-                if "key_scales" not in CALIBRATION:
-                    raise RuntimeError("-ks configurations need the key scales measured by main()")
-                policy = policy.with_key_scales(CALIBRATION["key_scales"])
-            return TQCache(cfg, policy=policy, sink_length=sink)
+            if "key_scales" not in CALIBRATION:
+                raise RuntimeError("-ks configurations need the key scales measured by main()")
+            policy = KVPolicy.uniform(len(DynamicCache(config=cfg).layers), kenc, venc, res, prot, center)
+            return TQCache(cfg, policy=policy.with_key_scales(CALIBRATION["key_scales"]), sink_length=sink)
 
         kv = {"tq2": "tq2 keys + values", "tq3": "tq3 keys + values", "tq4": "tq4 keys + values",
               "k8v4": "tq8 keys, tq4 values", "k3v4": "tq3 keys, tq4 values",
