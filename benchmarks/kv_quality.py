@@ -26,11 +26,11 @@ with the ``fp8`` backend (E4M3, one scale per tensor frozen at the prefill) and 
 keys and values at 2 / 3 / 4 bits), k8v4, k3v4 (8- or 3-bit keys, 4-bit values) and fp4 (FP4-UE8M0),
 named ``{preset}-r{residual_length}-p{protected_layers}[-s{sink_length}]`` (``-sN``: the first N tokens never
 encoded), keys centered (``center_keys``) unless the name ends in ``-nc``, keys stored with the scale that
-makes their inner products unbiased (``rescale="unbiased"``, where the default keeps their norms) with
+makes their inner products unbiased (the ``tq{b}-unbiased`` encoders, where ``tq{b}`` keeps their norms) with
 ``-ku``, with per-channel key scales (:func:`tqindex.kv.key_scales`, calibrated on the third text below)
 with ``-ks``;
 ``policy-b{bits}``: a per-layer policy chosen by :func:`tqindex.kv.calibrate` for an average of at most
-``bits`` bits per element at ``--tokens`` tokens of context, its first 4 tokens never encoded
+``bits`` bits per element at ``--tokens`` tokens of context, with ``TQCache``'s default sink tokens
 (``policy-b{bits}-ks``: measured and kept with key scales), calibrated on a third text
 (:data:`_lm.CALIBRATION_TOPICS`, disjoint from both). tqindex runs use the ``"tqindex"`` attention
 implementation (attention computed from the codes).
@@ -64,6 +64,7 @@ import torch
 from tqdm.auto import tqdm
 
 from tqindex.kv import TQCache, TQLayer  # also registers the "tqindex" attention with transformers
+from tqindex.kv.policy import SINK_LENGTH
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _lm  # noqa: E402
@@ -79,8 +80,6 @@ ANSWER_PREFIX = "The secret passcode is"
 NEEDLE_MAX_NEW_TOKENS = 24  # the tokenizer splits numbers into single digits
 
 TQ_PRESETS = ("tq2", "tq3", "tq4", "k8v4", "k3v4", "fp4")
-POLICY_SINKS = 4
-"""First tokens never encoded by the ``policy-b*`` configurations (``TQCache``'s default), counted in their budget."""
 NEEDLE_BITS = 2.75  # the needle must be found by every configuration of at least this many bits per element
 DEFAULT_CONFIGS = (
     "dynamic", "fp8", "quanto-int4-r128",
@@ -142,12 +141,11 @@ def cache_spec(name: str) -> CacheSpec:
         def make_policy(cfg: Any) -> Any:
             if measured not in CALIBRATION:
                 raise RuntimeError("policy configurations need the sensitivity measured by main()")
-            policy = policy_for_budget(CALIBRATION[measured], bits, context_tokens=CALIBRATION["context_tokens"],
-                                       sink_length=POLICY_SINKS)
-            return TQCache(cfg, policy=policy, sink_length=POLICY_SINKS)
+            return TQCache(cfg, policy=policy_for_budget(CALIBRATION[measured], bits,
+                                                         context_tokens=CALIBRATION["context_tokens"]))
 
         return CacheSpec(name, "tqindex", f"TQCache with a per-layer policy calibrated for <= {bits:g} bits "
-                         f"per element, the first {POLICY_SINKS} tokens never encoded"
+                         f"per element, the first {SINK_LENGTH} tokens never encoded"
                          + (", calibrated key scales" if scaled else ""), make_policy, "tqindex",
                          budget_bits=bits, key_scales=scaled)
     if name.startswith("quanto-int"):
@@ -568,7 +566,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 CALIBRATION[measured] = measure_sensitivity(model, ids, prefix=ids.shape[1] - 64, scored=64,
                                                             key_scales=CALIBRATION["key_scales"] if scaled else None)
         policies = {spec.name: policy_for_budget(CALIBRATION["sensitivity-ks" if spec.key_scales else "sensitivity"],
-                                                 spec.budget_bits, context_tokens=args.tokens, sink_length=POLICY_SINKS)
+                                                 spec.budget_bits, context_tokens=args.tokens)
                     for spec in specs if spec.budget_bits is not None}
         calibration = {"text": _lm.text_info(text, _lm.CALIBRATION_TOPICS), "tokens": ids.shape[1],
                        "context_tokens": args.tokens, "time_s": time.perf_counter() - t1,

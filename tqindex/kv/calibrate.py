@@ -37,7 +37,7 @@ from transformers import DynamicCache
 
 from ..checks import check_bool, check_int
 from ..turboquant import MSE_BITS
-from .policy import KVPolicy, LayerPolicy, choose
+from .policy import SINK_LENGTH, KVPolicy, LayerPolicy, choose
 
 NEAR_EXACT = "tq8"
 """The encoder of the side (keys or values) not under measurement."""
@@ -136,7 +136,7 @@ def measure_sensitivity(
 
 
 def policy_for_budget(sensitivity: Sensitivity, budget_bits: float, *, allow_dense: bool = True,
-                      context_tokens: int = 2048, sink_length: int = 4) -> KVPolicy:
+                      context_tokens: int = 2048, sink_length: int = SINK_LENGTH) -> KVPolicy:
     """The policy of least predicted loss (summed KL) whose layers store at most ``budget_bits`` bits per
     key/value element on average, side data and full-precision layers included, at a context of
     ``context_tokens`` tokens in a cache that keeps its first ``sink_length`` tokens in full precision
@@ -170,7 +170,7 @@ def policy_for_budget(sensitivity: Sensitivity, budget_bits: float, *, allow_den
 
 def calibrate(model: Any, tokens: Tensor, budget_bits: float, *, bits: tuple[int, ...] = (2, 3, 4),
               allow_dense: bool = True, prefix: int = 384, scored: int = 64, context_tokens: int = 2048,
-              sink_length: int = 4, center_keys: bool = True, backend: str | None = None,
+              sink_length: int = SINK_LENGTH, center_keys: bool = True, backend: str | None = None,
               scale_keys: bool = False) -> KVPolicy:
     """A :class:`KVPolicy` for ``model`` at most ``budget_bits`` bits per stored key/value element on
     average: :func:`measure_sensitivity` on calibration ids ``tokens`` [1, T], then :func:`policy_for_budget`

@@ -47,7 +47,7 @@ from ..checks import check_bool, check_int
 from ..encoder import Encoder, encoder_names, make_encoder
 from ..turboquant import MSE_BITS
 from .attention import compressed_attention, compressed_attention_ref, dense_attention, _scaled_queries
-from .policy import KVPolicy, encoder_for
+from .policy import SINK_LENGTH, KVPolicy, encoder_for
 from .store import CompressedTokens, KVStore, encoder_from_key, encoder_key
 
 ATTN_IMPLEMENTATION = "tqindex"
@@ -291,7 +291,7 @@ class TQCache(DynamicCache):
         backend: str | None = None,
         center_keys: bool = True,
         policy: KVPolicy | dict | str | os.PathLike | None = None,
-        sink_length: int = 4,
+        sink_length: int = SINK_LENGTH,
     ) -> None:
         self.backend = kernels.check_backend(backend)
         self.center_keys = check_bool(center_keys, "center_keys")

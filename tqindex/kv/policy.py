@@ -41,6 +41,8 @@ POLICY_VERSION = 1
 """The ``version`` field of policy files this module writes and reads."""
 OFFSET_BYTES = 4
 """Bytes per element of a centered layer's key offset (float32)."""
+SINK_LENGTH = 4
+"""First tokens of every compressed layer a ``TQCache`` keeps in full precision by default (sink tokens)."""
 _COST_STEP = 1 / 64
 """Byte resolution of the budget in :func:`choose` (bytes per token and layer)."""
 

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..checks import check_int
 from ..codes import Codes
 from ..encoder import Encoder, encoder_from_dict
 
@@ -249,16 +250,12 @@ class KVStore:
         for name, enc in (("key_encoder", key_encoder), ("value_encoder", value_encoder)):
             if not isinstance(enc, Encoder):
                 raise TypeError(f"{name} must be a tqindex Encoder, got {type(enc).__name__}")
-        if not isinstance(residual_length, int) or isinstance(residual_length, bool) or residual_length < 0:
-            raise ValueError(f"residual_length must be an integer >= 0, got {residual_length!r}")
-        if not isinstance(sink_length, int) or isinstance(sink_length, bool) or sink_length < 0:
-            raise ValueError(f"sink_length must be an integer >= 0, got {sink_length!r}")
         if not isinstance(center_keys, bool):
             raise TypeError(f"center_keys must be a bool, got {type(center_keys).__name__}")
         self.key_encoder = key_encoder
         self.value_encoder = value_encoder
-        self.residual_length = residual_length
-        self.sink_length = sink_length
+        self.residual_length = check_int(residual_length, "residual_length", 0)
+        self.sink_length = check_int(sink_length, "sink_length", 0)
         self.center_keys = center_keys
         self.key_offset: Tensor | None = None  # [B, H, 1, Dk] float32, set by the first non-empty append
         self.key_scale = _check_scale(key_scale, key_encoder.dim)  # [H, Dk] float32 or None
