@@ -13,6 +13,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .kernels.graphs import any_true
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 NORM_SAFE = (2.0**-40, 2.0**40)
 """Rows whose float32 sum of squares is exact enough: norms in this range need no rescaling."""
@@ -85,7 +87,7 @@ def as_float_tensor(x: Any, dim: int, name: str = "x", allow_empty: bool = False
     if t.device.type == "cpu":  # numpy: one thread, so no torch worker threads are woken to spin
         finite = bool(np.isfinite(t.numpy()).all())
     else:  # NaN propagates; one pass
-        finite = not t.numel() or bool(torch.isfinite(torch.stack(torch.aminmax(t))).all())
+        finite = not t.numel() or not any_true(~torch.isfinite(torch.stack(torch.aminmax(t))))
     if not finite:
         raise ValueError(f"{name} contains NaN or infinite values (or values beyond float32's range)")
     return t
@@ -110,9 +112,10 @@ def unit_rows(t: Tensor) -> tuple[Tensor, Tensor]:
     finite input: rows outside NORM_SAFE are scaled by a power of two first, which gives them the very
     quotients their safe multiples get."""
     n = row_norms(t)
-    unsafe = torch.nonzero(~((n >= NORM_SAFE[0]) & (n <= NORM_SAFE[1])) & (n > 0)).squeeze(1)
+    unsafe = ~((n >= NORM_SAFE[0]) & (n <= NORM_SAFE[1])) & (n > 0)
     u = t / torch.where(n > 0, n, torch.ones_like(n))[:, None]
-    if len(unsafe):
+    if any_true(unsafe):
+        unsafe = torch.nonzero(unsafe).squeeze(1)
         exp = torch.round(torch.log2(n[unsafe].double())).int()
         scaled = torch.ldexp(t[unsafe].double(), -exp[:, None]).float()  # exact: norms near 1
         u[unsafe] = scaled / row_norms(scaled)[:, None]
@@ -123,7 +126,7 @@ def check_norms(norms: Tensor, low: float, high: float, name: str, holder: str, 
     """ValueError naming the rows whose nonzero norm (float32 [n]) is outside [low, high]: ``holder`` is
     what cannot hold them, ``remedy`` what the caller can do."""
     bad = (norms != 0) & ~((norms >= low) & (norms <= high))
-    if bool(bad.any()):
+    if any_true(bad):
         rows = torch.nonzero(bad).squeeze(1)
         shown = ", ".join(f"{int(r)} ({float(norms[r]):.3g})" for r in rows[:5])
         raise ValueError(f"{name} has {len(rows)} vectors with norms outside [{low:.3g}, {high:.3g}], the range "

@@ -28,6 +28,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from . import kernels
+from .kernels.graphs import SearchGraphs
 from .checks import (as_float_tensor, check_bool, check_choice, check_int, check_norms, id_array, row_norms,
                      unit_rows)
 from .codes import Codes
@@ -46,7 +47,8 @@ ADD_CHUNK = 1 << 16
 PROGRESS_MIN_ADD = 1 << 20
 """Adds of at least this many vectors show a progress bar (unless ``progress=False``)."""
 PROGRESS_MIN_SCORES = 1 << 30
-"""Searches computing at least this many vector scores show a progress bar."""
+PROGRESS_MIN_SCORES_GPU = 1 << 38
+"""Searches computing at least this many vector scores (on a CUDA device: GPU many) show a progress bar."""
 RERANK_ELEMENTS = 1 << 24
 
 
@@ -88,6 +90,7 @@ class BaseIndex(ABC):
         self.backend = kernels.check_backend(backend)
         self._state = IndexState(tuple(CodeList() for _ in range(nlists)))
         self._writer = threading.RLock()
+        self._graphs = SearchGraphs()
 
     def _check_trained(self) -> None:
         if not self.is_trained:
@@ -212,18 +215,38 @@ class BaseIndex(ABC):
         return self._search(q, k, allow, progress, {})
 
     def _search(self, q: Any, k: int, allow: Any, progress: bool | None, opts: dict[str, Any]) -> tuple[Any, Any]:
-        """:meth:`search` with subclass scan options ``opts`` (passed to :meth:`_scan`, :meth:`_search_work`)."""
+        """:meth:`search` with subclass scan options ``opts`` (passed to :meth:`_scan`, :meth:`_search_work`).
+        On a CUDA device, a search without ``allow`` or progress bar is recorded as a CUDA graph the second
+        time its shape comes and replayed after that, validation included (:mod:`tqindex.kernels.graphs`)."""
         k = check_int(k, "k", 1)
         if not self.encoder.is_trained:  # an index without vectors (an untrained IVF) answers with padding
             self._check_trained()
-        qt = self._vectors_in(q, "q", allow_empty=True)
         state = self._state  # one consistent snapshot for the whole search
         allowed = None if allow is None else torch.from_numpy(np.unique(id_array(allow, "allow"))).to(self.device)
+        if self.device.type == "cuda" and allowed is None:
+            raw = (q if isinstance(q, Tensor) else as_float_tensor(q, self.dim, "q", allow_empty=True)).to(self.device)
+            if (raw.dim() == 2 and len(raw) and state.ntotal
+                    and not _show(progress, self._search_work(state, len(raw), **opts) >= PROGRESS_MIN_SCORES_GPU)):
+                key = (tuple(raw.shape), raw.dtype, k, *sorted(opts.items()))
+                D, I = self._graphs.run(state, key, raw, lambda r: self._search_on(state, r, k, None, progress, opts))
+            else:
+                D, I = self._search_on(state, raw, k, None, progress, opts)
+        else:
+            D, I = self._search_on(state, q, k, allowed, progress, opts)
+        if isinstance(q, Tensor):
+            return D.to(q.device), I.to(q.device)
+        return D.cpu().numpy(), I.cpu().numpy()
+
+    def _search_on(self, state: IndexState, q: Any, k: int, allowed: Tensor | None, progress: bool | None,
+                   opts: dict[str, Any]) -> tuple[Tensor, Tensor]:
+        """Validate queries q [nq, dim] and search ``state`` -> (D float32 [nq, k], I int64 [nq, k]) on the
+        index's device."""
+        qt = self._vectors_in(q, "q", allow_empty=True)
+        work = self._search_work(state, len(qt), **opts)
+        show = _show(progress, work >= (PROGRESS_MIN_SCORES_GPU if self.device.type == "cuda" else PROGRESS_MIN_SCORES))
         depth = k * self.rerank_factor if self.keep_vectors else k
         l2 = self.metric == "l2"
         top = make_topk(len(qt), depth, self.device)
-        work = self._search_work(state, len(qt), **opts)
-        show = _show(progress, work >= PROGRESS_MIN_SCORES)
         with tqdm(total=work, unit="score", unit_scale=True, desc="search", disable=not show) as bar:
             if len(qt) and state.ntotal:
                 qr = self.encoder.rotate(qt)  # [nq, dim]
@@ -237,10 +260,7 @@ class BaseIndex(ABC):
         if self.keep_vectors:
             values, labels = self._rerank(state, qt, values, labels, k)
         D = qt.square().sum(1, keepdim=True) - values if l2 else values
-        I = labels if labels_are_ids else state.ids_of(labels)
-        if isinstance(q, Tensor):
-            return D.to(q.device), I.to(q.device)
-        return D.cpu().numpy(), I.cpu().numpy()
+        return D, labels if labels_are_ids else state.ids_of(labels)
 
     def _rerank(self, state: IndexState, qt: Tensor, values: Tensor, labels: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """Exact scores of the candidates from the kept vectors -> (values [m, k], labels [m, k]) best first."""

@@ -35,6 +35,7 @@ from ..codes import Codes
 from ..scorer import CodeRunList, Scorer
 from ..topk import TopK
 from . import multiprocessors
+from .graphs import any_true
 from .planes import RunLayout, run_layouts, to_planes
 
 TILES = {2: (256, 4), 16: (256, 8), 32: (64, 4), 64: (64, 4), 128: (64, 4), 256: (32, 4)}
@@ -496,8 +497,8 @@ class TritonScorer(Scorer):
         maxima, _, _ = self.scan(codes[:sample], k, rows, MODE_TILE_MAX)  # [m, tiles]
         bound = torch.topk(maxima, kt, dim=1).values[:, -1]  # kt distinct rows reach it: <= the final kt-th best
         vals, cand, overflow = self.scan(codes, k, rows, MODE_FILTER, bound)
-        over = torch.nonzero(overflow).squeeze(1)
-        if len(over):  # rare: more rows reach the bound than there is room for
+        if any_true(overflow):  # rare: more rows reach the bound than there is room for
+            over = torch.nonzero(overflow).squeeze(1)
             again = over if rows is None else rows[over]
             v2, c2, _ = self.scan(codes, k, again)
             width = max(vals.shape[1], v2.shape[1])

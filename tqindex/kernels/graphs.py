@@ -1,0 +1,119 @@
+"""CUDA graphs of repeated GPU searches.
+
+A search of a few queries over a GPU index spends most of its time on the host: tens of kernel launches
+(sampled bound, filtering scan, candidate top-k, exact re-scoring, id lookup), each some microseconds of
+Python and driver work while the GPU idles. :class:`SearchGraphs` records the second search of a given
+shape as a CUDA graph and replays it for every later one: one launch and no host round trip.
+
+Graphs belong to one index state (``add``, ``remove_ids``, ``to`` publish a new one, which drops them),
+hold their own buffers (at most MAX_GRAPHS shapes, the least recently used dropped first) and are replayed
+one at a time, so concurrent searches stay correct. A search that cannot be recorded (it needs the host
+to read device values, as an IVF probe plan does) is remembered and always runs eagerly.
+
+A step that must look at device values only in rare cases (a filtering scan whose candidates overflowed)
+calls :func:`any_true`: while a graph is recorded it returns False and the flag is checked after every
+replay instead; where it is set, that search runs again without the graph.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable
+
+import torch
+from torch import Tensor
+
+MAX_GRAPHS = 8
+"""Recorded search shapes kept per index."""
+
+_recording = threading.local()
+
+
+def any_true(flag: Tensor) -> bool:
+    """``bool(flag.any())`` (one device sync); while this thread records a graph: False, and ``flag`` is
+    checked after each replay of that graph instead."""
+    checks = getattr(_recording, "checks", None)
+    if checks is None:
+        return bool(flag.any())
+    checks.append(flag.any())
+    return False
+
+
+@dataclass
+class _Graph:
+    """A recorded search: its static input and outputs, the deferred checks, the end of its last replay."""
+
+    graph: torch.cuda.CUDAGraph
+    q: Tensor
+    out: tuple[Tensor, ...]
+    check: Tensor | None
+    done: torch.cuda.Event = field(default_factory=torch.cuda.Event)
+
+    def replay(self, q: Tensor) -> tuple[tuple[Tensor, ...], bool]:
+        """Replay on queries q -> (copies of the outputs, whether a deferred check fired: search again)."""
+        torch.cuda.current_stream().wait_event(self.done)  # the previous replay's outputs were copied
+        self.q.copy_(q)
+        self.graph.replay()
+        out = tuple(t.clone() for t in self.out)
+        self.done.record()
+        return out, self.check is not None and bool(self.check)
+
+
+class SearchGraphs:
+    """CUDA graphs of one index's repeated searches (module notes). Not saved with the index."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._state: Any = None
+        self._graphs: OrderedDict[Hashable, _Graph | bool] = OrderedDict()
+
+    def run(self, state: Any, key: Hashable, q: Tensor, search: Callable[[Tensor], tuple[Tensor, ...]]
+            ) -> tuple[Tensor, ...]:
+        """``search(q)`` for queries q (a CUDA tensor) against index state ``state``: eagerly the first
+        time ``key`` (the shape and options of the search) is seen, recorded the second time, replayed
+        after that. Returns new tensors (never the graph's buffers)."""
+        with self._lock:
+            if state is not self._state:
+                self._state, self._graphs = state, OrderedDict()
+            entry = self._graphs.get(key)
+            if entry is not None:
+                self._graphs.move_to_end(key)
+                if entry is True:
+                    entry = self._graphs[key] = _record(search, q)
+                if entry is not False:
+                    out, redo = entry.replay(q)
+                    return search(q) if redo else out
+            else:  # first sight: eager (compiles the kernels, fills the encoder's caches)
+                self._graphs[key] = True
+                while len(self._graphs) > MAX_GRAPHS:
+                    self._graphs.popitem(last=False)
+        return search(q)
+
+
+def _record(search: Callable[[Tensor], tuple[Tensor, ...]], q: Tensor) -> _Graph | bool:
+    """A graph of ``search`` on a copy of q, or False where the search cannot be recorded."""
+    static = q.clone()
+    side = torch.cuda.Stream(q.device)
+    side.wait_stream(torch.cuda.current_stream(q.device))
+    graph = torch.cuda.CUDAGraph()
+    recorded = True
+    with torch.cuda.stream(side):
+        search(static)  # warm-up on the recording stream, as CUDA graphs require
+        side.synchronize()
+        _recording.checks = []
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            out = search(static)
+            check = torch.stack(_recording.checks).any() if _recording.checks else None
+        except RuntimeError:  # a host read of device values inside the search
+            recorded = False
+        finally:
+            _recording.checks = None
+            try:
+                graph.capture_end()
+            except RuntimeError:  # the capture was invalidated
+                recorded = False
+    torch.cuda.current_stream(q.device).wait_stream(side)
+    return _Graph(graph, static, out, check) if recorded else False
