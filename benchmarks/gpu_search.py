@@ -8,7 +8,8 @@ Every number comes from one run on one GPU:
   10M x 128 and 1M x 1536;
 - flat search with 1, 16, 256 and 4096 queries, k = 10 and 100, over 10M random unit vectors of 128
   dims and over GloVe-50 (400k words, 10k held out as queries; cosine): time per search (CUDA events,
-  median of repeated runs after warm-up), QPS, achieved bandwidth on code bytes, R@1@10 against exact
+  median of repeated runs after warm-up: replays of the search's CUDA graph), the same without graphs
+  (``cuda_graphs = 0``), QPS, achieved bandwidth on code bytes, R@1@10 against exact
   float32 search; beside it exact ``torch.topk(q @ x.T)`` in bf16 (query chunks of 1024), the scan
   alone (its top-k merge left out, so the fused top-k's cost shows) and, for scale, the same index
   searched on the machine's CPU cores and faiss-cpu's TurboQuant scalar quantizer (``RR,SQtqmse4``);
@@ -36,6 +37,7 @@ import _run  # noqa: E402
 from _gpu import bench, roofline  # noqa: E402
 
 import tqindex as tq  # noqa: E402
+from tqindex.kernels.graphs import MAX_GRAPHS  # noqa: E402
 
 QUERY_COUNTS = (1, 16, 256, 4096)
 KS = (10, 100)
@@ -136,8 +138,11 @@ def measure_flat(results: _run.Results, name: str, x: torch.Tensor, q_all: torch
             key = f"nq={nq} k={k}"
             if key in section["rows"]:
                 continue
-            ms = bench(lambda: index.search(q, k))
+            ms = bench(lambda: index.search(q, k))  # from the second search on, a CUDA graph's replay
             _, I = index.search(q, k)
+            index.cuda_graphs = 0
+            eager_ms = bench(lambda: index.search(q, k))
+            index.cuda_graphs = MAX_GRAPHS
             qb = q.bfloat16()
             exact_ms = bench(lambda: exact_bf16(xb, qb, k))
             _, Ie = exact_bf16(xb, qb, k)
@@ -145,7 +150,7 @@ def measure_flat(results: _run.Results, name: str, x: torch.Tensor, q_all: torch
             scorer = TritonScorer(index.encoder, qs, False)
             scan_ms = bench(lambda: scorer.scan(codes, k, mode=MODE_MAX))
             fused_ms = bench(lambda: scorer.candidates(codes, k))
-            row = {"ms": ms, "qps": nq / ms * 1e3, "code_TBps": code_bytes / ms / 1e9,
+            row = {"ms": ms, "eager_ms": eager_ms, "qps": nq / ms * 1e3, "code_TBps": code_bytes / ms / 1e9,
                    "exact_bf16_ms": exact_ms, "speedup_vs_exact_bf16": exact_ms / ms,
                    "scan_only_ms": scan_ms, "scan_topk_ms": fused_ms, "topk_overhead": fused_ms / scan_ms - 1,
                    "recall_1_at_10": recall_1_at(I, top1[:nq]), "exact_bf16_recall_1_at_10": recall_1_at(Ie, top1[:nq])}
@@ -246,12 +251,13 @@ def markdown(data: dict) -> str:
     for name, sec in data["flat"].items():
         lines += ["", f"## Flat search: {name} ({sec['n']} x {sec['dim']}, {sec['code_size']} B codes, "
                   f"{sec['memory_bytes_per_vector']:.1f} B held per vector)", "",
-                  "| queries, k | ms | QPS | TB/s of codes | exact bf16 ms | speed-up | scan alone ms | top-k cost |"
-                  " R@1@10 | cpu ms | faiss SQtqmse4 ms |", "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+                  "| queries, k | ms | no-graph ms | QPS | TB/s of codes | exact bf16 ms | speed-up | scan alone ms |"
+                  " top-k cost | R@1@10 | cpu ms | faiss SQtqmse4 ms |", "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
         for key, r in sec["rows"].items():
             cpu = f"{r['cpu_ms']:.1f}" if "cpu_ms" in r else ""
             fs = f"{r['faiss_sqtqmse4_ms']:.1f}" if "faiss_sqtqmse4_ms" in r else ""
-            lines.append(f"| {key} | {r['ms']:.3f} | {r['qps']:.0f} | {r['code_TBps']:.2f} | {r['exact_bf16_ms']:.3f} | "
+            eager = f"{r['eager_ms']:.3f}" if "eager_ms" in r else ""
+            lines.append(f"| {key} | {r['ms']:.3f} | {eager} | {r['qps']:.0f} | {r['code_TBps']:.2f} | {r['exact_bf16_ms']:.3f} | "
                          f"{r['speedup_vs_exact_bf16']:.2f}x | {r['scan_only_ms']:.3f} | "
                          f"{100 * r['topk_overhead']:+.0f} % | {r['recall_1_at_10']:.3f} | {cpu} | {fs} |")
     if data["ivf"].get("rows"):

@@ -297,3 +297,10 @@ def test_constructor_validation():
     with pytest.raises(ValueError, match="unknown encoder name"):
         tq.index_factory(50, "tq9")
     assert "FlatIndex" in repr(tq.index_factory(50, "fp4", metric="l2"))
+    index = tq.FlatIndex(enc)
+    assert index.cuda_graphs == 8
+    index.cuda_graphs = 0
+    for bad in (-1, True, 2.0):
+        with pytest.raises(ValueError, match="cuda_graphs"):
+            index.cuda_graphs = bad
+    assert index.cuda_graphs == 0

@@ -92,6 +92,16 @@ class BaseIndex(ABC):
         self._writer = threading.RLock()
         self._graphs = SearchGraphs()
 
+    @property
+    def cuda_graphs(self) -> int:
+        """How many search shapes (queries, k, options) an index on a CUDA device keeps recorded as CUDA
+        graphs (default 8, each holding its search's buffers); 0 records none. Not saved in index files."""
+        return self._graphs.limit
+
+    @cuda_graphs.setter
+    def cuda_graphs(self, limit: int) -> None:
+        self._graphs.limit = check_int(limit, "cuda_graphs", 0)
+
     def _check_trained(self) -> None:
         if not self.is_trained:
             raise ValueError(f"the index must be trained first: call index.train(x) ({self.encoder!r})")

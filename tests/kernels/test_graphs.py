@@ -140,3 +140,12 @@ def test_replays_validate_their_queries():
     assert_same(cos.search(q * 2.0**50, 5), cos.search(q, 5))  # unit rows by the rescaling path
     D, I = index.search(q.cpu().numpy(), 5)  # numpy in, numpy out, through the graph of the same shape
     assert torch.equal(torch.from_numpy(I), index.search(q, 5)[1].cpu())
+
+
+def test_cuda_graphs_zero_records_nothing():
+    x, q = unit(20_000, 64, 1), unit(3, 64, 2)
+    index = flat(x)
+    index.cuda_graphs = 0
+    results = [index.search(q, 5) for _ in range(3)]
+    assert recorded(index) == [] and not index._graphs._graphs
+    assert_same(results[2], results[0])

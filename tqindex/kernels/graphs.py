@@ -6,7 +6,7 @@ Python and driver work while the GPU idles. :class:`SearchGraphs` records the se
 shape as a CUDA graph and replays it for every later one: one launch and no host round trip.
 
 Graphs belong to one index state (``add``, ``remove_ids``, ``to`` publish a new one, which drops them),
-hold their own buffers (at most MAX_GRAPHS shapes, the least recently used dropped first) and are replayed
+hold their own buffers (at most ``limit`` shapes, the least recently used dropped first) and are replayed
 one at a time, so concurrent searches stay correct. A search that cannot be recorded (it needs the host
 to read device values, as an IVF probe plan does) is remembered and always runs eagerly.
 
@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 MAX_GRAPHS = 8
-"""Recorded search shapes kept per index."""
+"""Recorded search shapes kept per index by default."""
 
 _recording = threading.local()
 
@@ -64,7 +64,9 @@ class _Graph:
 class SearchGraphs:
     """CUDA graphs of one index's repeated searches (module notes). Not saved with the index."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int = MAX_GRAPHS) -> None:
+        self.limit = limit
+        """Search shapes kept (0: none recorded)."""
         self._lock = threading.Lock()
         self._state: Any = None
         self._graphs: OrderedDict[Hashable, _Graph | bool] = OrderedDict()
@@ -75,7 +77,7 @@ class SearchGraphs:
         time ``key`` (the shape and options of the search) is seen, recorded the second time, replayed
         after that. Returns new tensors (never the graph's buffers)."""
         with self._lock:
-            if state is not self._state:
+            if state is not self._state or not self.limit:  # a new index state, or recording switched off
                 self._state, self._graphs = state, OrderedDict()
             entry = self._graphs.get(key)
             if entry is not None:
@@ -85,9 +87,9 @@ class SearchGraphs:
                 if entry is not False:
                     out, redo = entry.replay(q)
                     return search(q) if redo else out
-            else:  # first sight: eager (compiles the kernels, fills the encoder's caches)
+            elif self.limit:  # first sight: eager (compiles the kernels, fills the encoder's caches)
                 self._graphs[key] = True
-                while len(self._graphs) > MAX_GRAPHS:
+                while len(self._graphs) > self.limit:
                     self._graphs.popitem(last=False)
         return search(q)
 
