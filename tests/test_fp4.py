@@ -69,3 +69,15 @@ def test_bad_options():
         tq.FP4UE8M0(dim=64, scale_constant=-1.0)
     with pytest.raises(ValueError, match="scale_rounding"):
         tq.FP4UE8M0(dim=64, scale_rounding="nearest")
+
+
+def test_level_run_decodes_every_e2m1_code():
+    """The symmetric codebook the GPU kernels decode through: code c ^ 8 (c ^ 15 for negative codes) holds
+    E2M1 code c's value, and its positive half is the E2M1 magnitudes."""
+    from tqindex.codebooks import E2M1_VALUES
+
+    run = tq.make_encoder("fp4", 64).level_run()
+    assert run.width == 64 and run.bits == 4
+    codes = torch.arange(16)
+    symmetric = codes ^ 8 ^ ((codes >> 3) * 7)
+    assert torch.equal(run.centroids[symmetric], E2M1_VALUES)

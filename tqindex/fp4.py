@@ -15,8 +15,9 @@ import torch
 from torch import Tensor
 
 from . import kernels
-from .codebooks import E2M1_VALUES, SCALE_ROUNDINGS, e2m1_encode, ue8m0_byte, ue8m0_exponent, ue8m0_scale
+from .codebooks import E2M1_MAGNITUDES, E2M1_VALUES, SCALE_ROUNDINGS, e2m1_encode, ue8m0_byte, ue8m0_exponent, ue8m0_scale
 from .codes import Codes
+from .directions import CodeRun
 from .encoder import Encoder, register_class, register_name
 from .packing import pack, packed_size, unpack_values
 from .rotation import ROTATION_KINDS
@@ -80,6 +81,14 @@ class FP4UE8M0(Encoder):
         vals = self._grouped(unpack_values(codes.qdata, 4, self.dim, E2M1_VALUES.to(codes.device)))  # [..., G, gs]
         vals = vals * ue8m0_scale(codes.scale)[..., None]
         return vals.flatten(-2)[..., : self.dim]
+
+
+    def level_run(self) -> CodeRun:
+        """The E2M1 levels as one 4-bit run of a symmetric codebook (GPU kernels decode through it): its
+        code ``c ^ 8`` (``c ^ 15`` where the sign bit 3 of E2M1 code c is set) has E2M1 code c's value."""
+        mags = torch.tensor(E2M1_MAGNITUDES)
+        levels = torch.cat([-mags.flip(0), mags])
+        return CodeRun(self.dim, levels, (levels[1:] + levels[:-1]) / 2)
 
 
 register_name("fp4", lambda dim, **kw: FP4UE8M0(dim=dim, **kw))

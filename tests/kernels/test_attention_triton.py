@@ -54,7 +54,8 @@ def test_decode_step(past, hq, hkv):
 
 @pytest.mark.parametrize("kenc, venc, d", [("tq4", "tq4", 128), ("tq3", "tq4", 64), ("tq8", "tq4", 64),
                                           ("tq2", "tq2", 64), ("tq4", "tq8", 96), ("tq1", "tq1", 64),
-                                          ("tq3", "tq3", 128), ("tq3", "tq3", 40)])
+                                          ("tq3", "tq3", 128), ("tq3", "tq3", 40), ("fp4", "fp4", 64),
+                                          ("fp4", "tq4", 128), ("tq4", "fp4", 96)])
 def test_encoders_and_dims(kenc, venc, d):
     check(kenc, venc, 1, 4, 2, d, 200, 3, 1, strided=False)
 
@@ -71,10 +72,40 @@ def test_no_window_softcap_padding_mask_and_no_past():
     check("tq4", "tq4", 1, 4, 2, 64, 0, 9, 9)  # nothing compressed yet
 
 
-def test_prmt_decode_on_cuda():
+def test_fp4_groups_of_very_different_scales():
+    """FP4 levels are scaled per group relative to the token's largest group exponent, the rest per token:
+    groups 2^12 apart and a token 2^-20 smaller than the others stay exact (against the reference)."""
+    from tqindex.kernels.attention_triton import compressed_attention_triton
+
+    g = torch.Generator().manual_seed(5)
+    enc_k, enc_v = tq.make_encoder("fp4", 64, rotation="none"), tq.make_encoder("fp4", 64, rotation="none")
+    store = KVStore(enc_k, enc_v, residual_length=0)
+    k, v = torch.randn(1, 2, 150, 64, generator=g), torch.randn(1, 2, 150, 64, generator=g)
+    k[..., 32:] *= 2.0**12
+    v[..., :32] *= 2.0**-12
+    k[:, :, 7] *= 2.0**-20
+    store.append(k.to(DEVICE), v.to(DEVICE))
+    store.append(k[:, :, :1].to(DEVICE), v[:, :, :1].to(DEVICE))
+    keys, values = store.view()
+    q = torch.randn(1, 4, 1, 64, generator=g).to(DEVICE).half() * 2.0**-10
+    ref = compressed_attention_ref(q.float(), keys, values, None, 0.125)
+    out = compressed_attention_triton(q, keys, values, None, 0.125)
+    assert float((out.float() - ref).norm() / ref.norm()) < 2e-3
+
+
+def test_attention_reads_fp4_of_32_element_groups_only():
+    from tqindex.kernels.planes import attention_reads
+
+    assert attention_reads(tq.make_encoder("fp4", 128), tq.make_encoder("tq4", 128), None)
+    assert not attention_reads(tq.make_encoder("fp4", 128, group_size=16), tq.make_encoder("tq4", 128), None)
+    assert not attention_reads(tq.make_encoder("tq4", 16), tq.make_encoder("fp4", 16), None)
+
+
+@pytest.mark.parametrize("kenc, venc", [("tq4", "tq4"), ("fp4", "fp4")])
+def test_prmt_decode_on_cuda(kenc, venc):
     if DEVICE.type != "cuda":
         pytest.skip("inline PTX runs on CUDA only")
-    check("tq4", "tq4", 2, 8, 2, 128, 1000, 4, 1, decode=2)
+    check(kenc, venc, 2, 8, 2, 128, 1000, 4, 1, decode=2)
 
 
 def test_prefill_with_a_padding_mask():

@@ -14,6 +14,10 @@ newest tokens, causal):
   into the score tile; values are decoded in their natural coordinate order (planes interleaved by
   ``tl.join``), their scale folded into the probabilities, and summed in the value encoder's rotated
   domain;
+- FP4-UE8M0 codes (keys, values or both) are read as one 4-bit run of the E2M1 levels (each byte's two
+  codes remapped to the symmetric codebook's order, then the same decoders); each 32-element scale group's
+  levels are multiplied by 2^(its exponent - the token's largest), exact in f16 down to 2^-24 relative
+  to the token's largest group, and 2^(largest - 127) is folded like a norm;
 - window tokens: plain f16 products of the queries and the window, with the causal mask.
 
 Each program writes its partial (m, l, sum); the merge kernel combines them by log-sum-exp, rotates the
@@ -32,8 +36,9 @@ import triton.language as tl
 from torch import Tensor
 
 from . import multiprocessors
-from .planes import RunLayout, next_power_of_2, to_planes
-from .scan_triton import _groups, _level, _nibble_levels, _plane_levels, _scan_tables, default_decode
+from .planes import FP4_GROUP, RunLayout, next_power_of_2, run_layouts, to_planes
+from .scan_triton import (_groups, _level, _nibble_levels, _plane_levels, _scan_tables, default_decode,
+                          prmt_tables)
 
 BLOCK_N = 64
 """Key tokens per tile."""
@@ -53,10 +58,45 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
+def _pow2(e):
+    """2^e as float32 for int32 e (exact for e >= -126; 0 below)."""
+    return tl.where(e >= -126, ((tl.maximum(e, -126) + 127) << 23).to(tl.float32, bitcast=True), 0.0)
+
+
+@triton.jit
+def _e2m1_symmetric(byte):
+    """Bytes of two E2M1 codes (sign bit 3, magnitude index bits 0-2) -> the codes of the symmetric codebook
+    the decoders read (``FP4UE8M0.level_run``): c ^ 8, or c ^ 15 where the sign bit is set."""
+    return byte ^ 0x88 ^ (((byte >> 3) & 0x11) * 7)
+
+
+@triton.jit
+def _group_exponents(S, tok, tmask, NG: tl.constexpr, NGP: tl.constexpr):
+    """UE8M0 exponents of the FP4 scale groups of tokens ``tok`` (S: [tokens, NG] bytes) -> (int32
+    [BLOCK_N, NGP], 0 past NG; each token's largest [BLOCK_N])."""
+    g = tl.arange(0, NGP)
+    e = tl.load(S + tok[:, None].to(tl.int64) * NG + g[None, :], mask=tmask[:, None] & (g[None, :] < NG),
+                other=0).to(tl.int32)
+    return e, tl.max(e, axis=1)
+
+
+@triton.jit
+def _token_scales(N, tok, tmask, NG: tl.constexpr, NGP: tl.constexpr, FP4: tl.constexpr):
+    """Per-token scales float32 [BLOCK_N] folded on score or probability tiles: the norms N [tokens], or for
+    FP4 2^(largest group exponent - 127) (N: exponents [tokens, NG]); and that exponent (int32; FP4 only)."""
+    if FP4:
+        e, emax = _group_exponents(N, tok, tmask, NG, NGP)
+        return _pow2(emax - 127), emax
+    else:
+        return tl.load(N + tok, mask=tmask, other=0.0).to(tl.float32), tok
+
+
+@triton.jit
 def _key_scores(q_ptr, rows_ok, KC, kstride, tok, tmask, MAG, R: tl.constexpr, DECODE: tl.constexpr, T0, T1, T2, T3,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                KS, kmax, FP4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """<R q, c> [BLOCK_M, BLOCK_N]: the planar query rows at ``q_ptr`` ([BLOCK_M, 1] pointers) with the key
-    codes of tokens ``tok`` (one run, layout R), decoded plane by plane."""
+    codes of tokens ``tok`` (one run, layout R), decoded plane by plane. FP4: each k-step is one scale
+    group, its levels scaled by 2^(exponent - kmax) (exponents KS [tokens, groups]; kmax [BLOCK_N])."""
     BITS: tl.constexpr = R[0]
     GB: tl.constexpr = R[1]
     P: tl.constexpr = R[2]
@@ -69,6 +109,12 @@ def _key_scores(q_ptr, rows_ok, KC, kstride, tok, tmask, MAG, R: tl.constexpr, D
         g = k0 + tl.arange(0, BK)
         gmask = tmask[:, None] & (g[None, :] < G)
         byte, grp = _groups(KC + tok[:, None].to(tl.int64) * kstride + g[None, :] * GB, gmask, g, GB, R[8])
+        if FP4:
+            byte = _e2m1_symmetric(byte)
+            grp = byte.to(tl.int32)
+            # k-step k0 // BK is scale group k0 // BK (16 code bytes each); R[4] // BK groups per token
+            e = tl.load(KS + tok.to(tl.int64) * (R[4] // BK) + k0 // BK, mask=tmask, other=0).to(tl.int32)
+            factor = _pow2(e - kmax)[:, None]
         if DECODE == 2 and BITS == 4:
             lo, hi = _nibble_levels(byte, T0, T1, T2, T3)
         for p in tl.static_range(P):
@@ -76,6 +122,8 @@ def _key_scores(q_ptr, rows_ok, KC, kstride, tok, tmask, MAG, R: tl.constexpr, D
                 v = lo if p == 0 else hi
             else:
                 v = _plane_levels(grp, p, MAG, BITS, DECODE)
+            if FP4:
+                v = v.to(tl.float32) * factor
             v = tl.where(gmask & (g[None, :] * P + p < W), v, 0.0).to(tl.float16)  # [BLOCK_N, BK]
             q = tl.load(q_ptr + (p * GP + g)[None, :], mask=rows_ok, other=0.0)  # [BLOCK_M, BK]
             acc = tl.dot(q, tl.trans(v), acc)
@@ -84,15 +132,20 @@ def _key_scores(q_ptr, rows_ok, KC, kstride, tok, tmask, MAG, R: tl.constexpr, D
 
 @triton.jit
 def _value_rows(VC, vstride, tok, tmask, MAG, R: tl.constexpr, DECODE: tl.constexpr, T0, T1, T2, T3,
-                DP: tl.constexpr, BLOCK_N: tl.constexpr):
+                VS, vmax, NG: tl.constexpr, NGP: tl.constexpr, FP4: tl.constexpr, DP: tl.constexpr,
+                BLOCK_N: tl.constexpr):
     """Levels of the value codes of tokens ``tok`` in natural coordinate order, f16 [BLOCK_N, DP] (one
-    coded run; coordinates past it are 0). The planes of a group are interleaved by a tree of joins."""
+    coded run; coordinates past it are 0). The planes of a group are interleaved by a tree of joins. FP4:
+    each scale group's levels scaled by 2^(exponent - vmax) (exponents VS [tokens, NG]; vmax [BLOCK_N])."""
     BITS: tl.constexpr = R[0]
     GB: tl.constexpr = R[1]
     P: tl.constexpr = R[2]
     GP: tl.constexpr = DP // P
     g = tl.arange(0, GP)
     byte, w = _groups(VC + tok[:, None].to(tl.int64) * vstride + g[None, :] * GB, tmask[:, None], g, GB, R[8])
+    if FP4:
+        byte = _e2m1_symmetric(byte)
+        w = byte.to(tl.int32)
     if P == 1:
         v = _level(w, MAG, BITS, 1)
     elif P == 2:
@@ -116,6 +169,11 @@ def _value_rows(VC, vstride, tok, tmask, MAG, R: tl.constexpr, DECODE: tl.conste
                      tl.join(_level((w >> (3 * BITS)) & M, MAG, BITS, 1),
                              _level((w >> (7 * BITS)) & M, MAG, BITS, 1)))
         v = tl.reshape(tl.join(e0, e1), (BLOCK_N, DP))
+    if FP4:  # NGP groups of FP4_GROUP coordinates make DP
+        e, _ = _group_exponents(VS, tok, tmask, NG, NGP)
+        factor = tl.reshape(tl.broadcast_to(_pow2(e - vmax[:, None])[:, :, None], (BLOCK_N, NGP, DP // NGP)),
+                            (BLOCK_N, DP))
+        v = v.to(tl.float32) * factor
     coord = tl.arange(0, DP)
     return tl.where(coord[None, :] < R[10], v, 0.0).to(tl.float16)
 
@@ -168,14 +226,16 @@ def _attention_kernel(
     hkv, rows, nq, tc, tw, q_sb, q_sh, q_sq, mask_sb, mask_sq, mask_st, kbytes, vbytes, kc_stride, vc_stride,
     kn_stride, vn_stride, kw_stride, vw_stride, kw_tstride, vw_tstride, splits_c, tokens_per_split, scaling, softcap,
     KMAG, VMAG, KT0, KT1, KT2, KT3, VT0, VT1, VT2, VT3,
-    KR: tl.constexpr, VR: tl.constexpr, PWK: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+    KR: tl.constexpr, VR: tl.constexpr, KFP4: tl.constexpr, VFP4: tl.constexpr, KG: tl.constexpr, KGP: tl.constexpr,
+    VG: tl.constexpr, VGP: tl.constexpr, PWK: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     MASK_KIND: tl.constexpr, SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr, DECODE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Program (batch row x KV head ``bh``, row block, split): the partial softmax of its query rows over the
     split's tokens (splits < splits_c: compressed tokens; the others: window tokens), written to OUT
     [bh, split, rows, DP] (compressed: the value encoder's rotated domain; window: plain), M_OUT / L_OUT
-    [bh, split, rows]."""
+    [bh, split, rows]. Side data KN / VN: the norms [bh, tokens] of direction codes, or (KFP4 / VFP4) the UE8M0
+    group exponents [bh, tokens, KG / VG] of FP4 codes (kn_stride / vn_stride: per bh)."""
     bh, mb, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     nsplit = tl.num_programs(2)
     b = bh // hkv
@@ -195,9 +255,9 @@ def _attention_kernel(
         for t0 in range(t_lo, t_hi, BLOCK_N):
             tok = t0 + tl.arange(0, BLOCK_N)
             tmask = tok < t_hi
+            ks, kmax = _token_scales(KN + bh64 * kn_stride, tok, tmask, KG, KGP, KFP4)
             s = _key_scores(q_ptr, rmask[:, None], KC + bh64 * kc_stride, kbytes, tok, tmask, KMAG, KR, DECODE,
-                            KT0, KT1, KT2, KT3, BLOCK_M, BLOCK_N)
-            ks = tl.load(KN + bh64 * kn_stride + tok, mask=tmask, other=0.0).to(tl.float32)
+                            KT0, KT1, KT2, KT3, KN + bh64 * kn_stride, kmax, KFP4, BLOCK_M, BLOCK_N)
             s = s * qsc[:, None] * ks[None, :] * scaling
             if SOFTCAP:
                 s = softcap * (2 * tl.sigmoid(2 * s / softcap) - 1)  # softcap * tanh(s / softcap)
@@ -207,9 +267,9 @@ def _attention_kernel(
             alpha = tl.exp2((m_i - shift) * LOG2E)
             p = tl.exp2((s - shift[:, None]) * LOG2E)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            vs = tl.load(VN + bh64 * vn_stride + tok, mask=tmask, other=0.0).to(tl.float32)
-            v = _value_rows(VC + bh64 * vc_stride, vbytes, tok, tmask, VMAG, VR, DECODE, VT0, VT1, VT2, VT3, DP,
-                            BLOCK_N)
+            vs, vmax = _token_scales(VN + bh64 * vn_stride, tok, tmask, VG, VGP, VFP4)
+            v = _value_rows(VC + bh64 * vc_stride, vbytes, tok, tmask, VMAG, VR, DECODE, VT0, VT1, VT2, VT3,
+                            VN + bh64 * vn_stride, vmax, VG, VGP, VFP4, DP, BLOCK_N)
             acc = acc * alpha[:, None] + tl.dot((p * vs[None, :]).to(tl.float16), v)
             m_i = m_new
     else:  # the window: query row r (position r % nq of the last nq) sees window token j <= tw - nq + r % nq
@@ -292,10 +352,16 @@ def _merge_kernel(OUT, M, L, MV, RES, hkv, hq, rows, nq, splits, splits_c, D: tl
 
 def _tables(encoder: Any, device: torch.device, side: str) -> tuple[tuple, Tensor, list[int], Tensor]:
     """What the kernels need of the ``side`` ("keys" or "values") encoder on ``device``: its run's layout
-    (constexpr tuple), magnitudes and prmt words (the scan's tables), and a float32 matrix, zero padded to
+    (constexpr tuple), magnitudes and prmt words (the scan's tables; FP4: of its ``level_run``), and a
+    float32 matrix, zero padded to
     powers of two: for keys [DP, PWP], row j the rotation's image of coordinate j in planar order (the
     query map); for values [DP, DP], row j the rotated domain's coordinate j rotated back."""
-    layouts, mags, prmt = _scan_tables(encoder, device)
+    if hasattr(encoder, "level_run"):  # FP4: one 4-bit run of the E2M1 levels, one scale group per k-step
+        runs, mags, _ = run_layouts([encoder.level_run()], max_step=FP4_GROUP // 2)
+        layouts, mags = tuple(tuple(r) for r in runs), mags.to(device)
+        prmt = prmt_tables(mags, runs)
+    else:
+        layouts, mags, prmt = _scan_tables(encoder, device)
     dim = encoder.dim
     eye = torch.eye(dim, device=device)
     image = to_planes(encoder.rotate(eye), [RunLayout(*layouts[0])]) if side == "keys" else encoder.rotate_back(eye)
@@ -358,7 +424,10 @@ def compressed_attention_triton(q: Tensor, keys: Any, values: Any, mask: Tensor 
     m = torch.empty(bsz * hkv, splits, rows, device=device)
     l_ = torch.empty_like(m)
     kq, vq = keys.codes.qdata, values.codes.qdata  # [B, Hkv, capacity, bytes], batch-major
-    kn, vn = keys.codes.norm, values.codes.norm
+    kfp4, vfp4 = keys.codes.norm is None, values.codes.norm is None  # FP4: group exponents instead of norms
+    kn = keys.codes.scale if kfp4 else keys.codes.norm
+    vn = values.codes.scale if vfp4 else values.codes.norm
+    kg, vg = (side.shape[-1] if fp4 else 1 for side, fp4 in ((kn, kfp4), (vn, vfp4)))
     kw, vw = keys.window.contiguous(), values.window.contiguous()
     mask_t, (msb, msq, mst), mask_kind = mask_layout(mask, bsz, nq, tc + tw)
     dec = default_decode(device) if decode is None else decode
@@ -366,7 +435,8 @@ def compressed_attention_triton(q: Tensor, keys: Any, values: Any, mask: Tensor 
         qp, qsc, q, kq, kn, vq, vn, kw, vw, qsc if mask_t is None else mask_t, out, m, l_,
         hkv, rows, nq, tc, tw, q.stride(0), q.stride(1), q.stride(2), msb, msq, mst, kq.shape[-1], vq.shape[-1],
         kq.stride(1), vq.stride(1), kn.stride(1), vn.stride(1), kw.stride(1), vw.stride(1), kw.stride(2),
-        vw.stride(2), splits_c, per, scaling, softcap or 1.0, kmag, vmag, *kt, *vt, KR=kr, VR=vr, PWK=pw, D=dim,
+        vw.stride(2), splits_c, per, scaling, softcap or 1.0, kmag, vmag, *kt, *vt, KR=kr, VR=vr, KFP4=kfp4, VFP4=vfp4, KG=kg, KGP=next_power_of_2(kg),
+        VG=vg, VGP=next_power_of_2(vg), PWK=pw, D=dim,
         DP=dp, MASK_KIND=mask_kind, SOFTCAP=softcap is not None, CAUSAL=causal and mask is None, DECODE=dec,
         BLOCK_M=block_m, BLOCK_N=BLOCK_N,
         num_warps=8 if block_m > 16 or kr[0] == 8 else DECODE_WARPS, num_stages=NUM_STAGES)

@@ -18,6 +18,8 @@ from torch import Tensor
 
 MAX_RUNS = 3
 """Coded runs a kernel reads (TurboQuantPCA has at most widths 4, 2 and 1)."""
+FP4_GROUP = 32
+"""Elements per scale group of the FP4 codes the attention kernel reads: one 16-byte k-step of codes."""
 
 
 def next_power_of_2(n: int) -> int:
@@ -101,9 +103,13 @@ def _coordinates(layouts: tuple[RunLayout, ...], dim: int, device: torch.device)
 
 def attention_reads(key_encoder: Any, value_encoder: Any, mask: Tensor | None) -> bool:
     """Whether the GPU attention kernel reads these codes and this mask: direction codes of one coded run
-    covering dims up to 256 (keys and values), and no mask or one shared by all query heads
-    ([B|1, 1, Q, T])."""
+    or FP4 codes with 32-element scale groups (``level_run``; dims from 32), dims up to 256 (keys and
+    values), and no mask or one shared by all query heads ([B|1, 1, Q, T])."""
     for enc in (key_encoder, value_encoder):
+        if hasattr(enc, "level_run"):
+            if enc.group_size != FP4_GROUP or not FP4_GROUP <= enc.dim <= 256:
+                return False
+            continue
         runs = enc.code_runs() if hasattr(enc, "code_runs") and enc.is_trained else []
         if len(runs) != 1 or not runs[0].bits or enc.dim > 256:
             return False
