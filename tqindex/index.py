@@ -95,12 +95,13 @@ class BaseIndex(ABC):
     @property
     def cuda_graphs(self) -> int:
         """How many search shapes (queries, k, options) an index on a CUDA device keeps recorded as CUDA
-        graphs (default 8, each holding its search's buffers); 0 records none. Not saved in index files."""
+        graphs (default 8, each holding its search's buffers; searches of up to 256 queries are recorded the
+        third time their shape comes); 0 records none. Not saved in index files."""
         return self._graphs.limit
 
     @cuda_graphs.setter
     def cuda_graphs(self, limit: int) -> None:
-        self._graphs.limit = check_int(limit, "cuda_graphs", 0)
+        self._graphs.resize(check_int(limit, "cuda_graphs", 0))
 
     def _check_trained(self) -> None:
         if not self.is_trained:
@@ -226,8 +227,8 @@ class BaseIndex(ABC):
 
     def _search(self, q: Any, k: int, allow: Any, progress: bool | None, opts: dict[str, Any]) -> tuple[Any, Any]:
         """:meth:`search` with subclass scan options ``opts`` (passed to :meth:`_scan`, :meth:`_search_work`).
-        On a CUDA device, a search without ``allow`` or progress bar is recorded as a CUDA graph the second
-        time its shape comes and replayed after that, validation included (:mod:`tqindex.kernels.graphs`)."""
+        On a CUDA device, a search without ``allow`` or progress bar is recorded as a CUDA graph when its
+        shape keeps coming and replayed after that, validation included (:mod:`tqindex.kernels.graphs`)."""
         k = check_int(k, "k", 1)
         if not self.encoder.is_trained:  # an index without vectors (an untrained IVF) answers with padding
             self._check_trained()

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import tqindex as tq
+from tqindex.kernels import graphs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 DEV = torch.device("cuda")
@@ -25,7 +26,7 @@ def flat(x, **kw):
 
 
 def recorded(index):
-    return [k for k, g in index._graphs._graphs.items() if not isinstance(g, bool)]
+    return [k for k, g in index._graphs._graphs.items() if isinstance(g, graphs._Graph)]
 
 
 def assert_same(a, b):
@@ -39,7 +40,7 @@ def test_replay_equals_eager(metric):
     index = flat(x, metric=metric)
     queries = [unit(5, 60, s) for s in (10, 11, 12, 13)]
     expected = [flat(x, metric=metric).search(q, 10) for q in queries]  # first sight: eager
-    for q, e in zip(queries, expected):  # eager, recorded and replayed, replayed, replayed
+    for q, e in zip(queries, expected):  # eager, eager, recorded and replayed, replayed
         assert_same(index.search(q, 10), e)
     assert recorded(index) == [((5, 60), torch.float32, 10)]
     assert_same(index.search(queries[0], 10), expected[0])
@@ -99,8 +100,8 @@ def test_concurrent_replays():
     index = flat(x)
     queries = [unit(4, 64, 100 + i) for i in range(8)]
     expected = [flat(x).search(q, 10) for q in queries]
-    index.search(queries[0], 10)
-    index.search(queries[0], 10)  # recorded
+    for _ in range(graphs.RECORD_AT):  # recorded at the last
+        index.search(queries[0], 10)
     failures = []
 
     def worker(t):
@@ -128,8 +129,8 @@ def test_replays_validate_their_queries():
     x, q = unit(20_000, 64, 1), unit(3, 64, 2)
     index, cos = flat(x), flat(x, metric="cosine")
     for i in (index, cos):
-        i.search(q, 5)
-        i.search(q, 5)
+        for _ in range(graphs.RECORD_AT):
+            i.search(q, 5)
     assert recorded(index) == recorded(cos) == [((3, 64), torch.float32, 5)]
     bad = q.clone()
     bad[1, 7] = float("nan")
@@ -142,10 +143,21 @@ def test_replays_validate_their_queries():
     assert torch.equal(torch.from_numpy(I), index.search(q, 5)[1].cpu())
 
 
-def test_cuda_graphs_zero_records_nothing():
-    x, q = unit(20_000, 64, 1), unit(3, 64, 2)
-    index = flat(x)
+def test_cuda_graphs_limits_what_is_recorded():
+    """cuda_graphs = 0 drops the recorded shapes and records none; more than MAX_QUERIES queries are never
+    recorded; at most cuda_graphs shapes are kept, the least recently used dropped."""
+    index = flat(unit(20_000, 64, 1))
+    qs = {n: unit(n, 64, n) for n in (1, 2, 3, graphs.MAX_QUERIES + 1)}
+    first = {}
+    for n, q in qs.items():
+        results = [index.search(q, 5) for _ in range(graphs.RECORD_AT + 1)]
+        first[n] = results[0]
+        assert_same(results[-1], results[0])
+    assert recorded(index) == [((n, 64), torch.float32, 5) for n in (1, 2, 3)]
+    index.cuda_graphs = 2
+    assert recorded(index) == [((n, 64), torch.float32, 5) for n in (2, 3)]
     index.cuda_graphs = 0
-    results = [index.search(q, 5) for _ in range(3)]
-    assert recorded(index) == [] and not index._graphs._graphs
-    assert_same(results[2], results[0])
+    assert not index._graphs._graphs
+    for _ in range(graphs.RECORD_AT + 1):
+        assert_same(index.search(qs[1], 5), first[1])
+    assert not index._graphs._graphs

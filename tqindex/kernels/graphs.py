@@ -2,8 +2,10 @@
 
 A search of a few queries over a GPU index spends most of its time on the host: tens of kernel launches
 (sampled bound, filtering scan, candidate top-k, exact re-scoring, id lookup), each some microseconds of
-Python and driver work while the GPU idles. :class:`SearchGraphs` records the second search of a given
-shape as a CUDA graph and replays it for every later one: one launch and no host round trip.
+Python and driver work while the GPU idles. :class:`SearchGraphs` records a search of at most MAX_QUERIES
+queries as a CUDA graph the RECORD_AT-th time its shape comes, and replays it for every later one: one
+launch and no host round trip. Larger batches run eagerly: their host time is a small part of their
+GPU time, and their buffers would be large to hold.
 
 Graphs belong to one index state (``add``, ``remove_ids``, ``to`` publish a new one, which drops them),
 hold their own buffers (at most ``limit`` shapes, the least recently used dropped first) and are replayed
@@ -27,6 +29,13 @@ from torch import Tensor
 
 MAX_GRAPHS = 8
 """Recorded search shapes kept per index by default."""
+MAX_QUERIES = 256
+"""Searches of more queries are never recorded."""
+RECORD_AT = 3
+"""A shape is recorded at its RECORD_AT-th search on one index state; the ones before run eagerly (recording
+costs about two searches, so an index written between every few searches never pays for it)."""
+_EAGER = "eager"
+"""The entry of a shape whose search cannot be recorded."""
 
 _recording = threading.local()
 
@@ -69,33 +78,43 @@ class SearchGraphs:
         """Search shapes kept (0: none recorded)."""
         self._lock = threading.Lock()
         self._state: Any = None
-        self._graphs: OrderedDict[Hashable, _Graph | bool] = OrderedDict()
+        self._graphs: OrderedDict[Hashable, int | _Graph | str] = OrderedDict()  # searches seen, graph, _EAGER
 
     def run(self, state: Any, key: Hashable, q: Tensor, search: Callable[[Tensor], tuple[Tensor, ...]]
             ) -> tuple[Tensor, ...]:
         """``search(q)`` for queries q (a CUDA tensor) against index state ``state``: eagerly the first
-        time ``key`` (the shape and options of the search) is seen, recorded the second time, replayed
-        after that. Returns new tensors (never the graph's buffers)."""
+        RECORD_AT - 1 times ``key`` (the shape and options of the search) comes, recorded the next time,
+        replayed after that. Returns new tensors (never the graph's buffers)."""
+        if len(q) > MAX_QUERIES or not self.limit:
+            return search(q)
         with self._lock:
-            if state is not self._state or not self.limit:  # a new index state, or recording switched off
+            if state is not self._state:
                 self._state, self._graphs = state, OrderedDict()
-            entry = self._graphs.get(key)
-            if entry is not None:
-                self._graphs.move_to_end(key)
-                if entry is True:
-                    entry = self._graphs[key] = _record(search, q)
-                if entry is not False:
-                    out, redo = entry.replay(q)
-                    return search(q) if redo else out
-            elif self.limit:  # first sight: eager (compiles the kernels, fills the encoder's caches)
-                self._graphs[key] = True
-                while len(self._graphs) > self.limit:
-                    self._graphs.popitem(last=False)
+            entry = self._graphs.pop(key, 0)
+            if isinstance(entry, int) and entry + 1 >= RECORD_AT:
+                entry = _record(search, q)
+            elif isinstance(entry, int):
+                entry += 1
+            self._graphs[key] = entry  # the most recently used last
+            self._trim()
+            if isinstance(entry, _Graph):
+                out, redo = entry.replay(q)
+                return search(q) if redo else out
         return search(q)
 
+    def resize(self, limit: int) -> None:
+        """Keep at most ``limit`` shapes recorded (0: none), dropping the least recently used now."""
+        with self._lock:
+            self.limit = limit
+            self._trim()
 
-def _record(search: Callable[[Tensor], tuple[Tensor, ...]], q: Tensor) -> _Graph | bool:
-    """A graph of ``search`` on a copy of q, or False where the search cannot be recorded."""
+    def _trim(self) -> None:
+        while len(self._graphs) > self.limit:
+            self._graphs.popitem(last=False)
+
+
+def _record(search: Callable[[Tensor], tuple[Tensor, ...]], q: Tensor) -> _Graph | str:
+    """A graph of ``search`` on a copy of q, or _EAGER where the search cannot be recorded."""
     static = q.clone()
     side = torch.cuda.Stream(q.device)
     side.wait_stream(torch.cuda.current_stream(q.device))
@@ -118,4 +137,4 @@ def _record(search: Callable[[Tensor], tuple[Tensor, ...]], q: Tensor) -> _Graph
             except RuntimeError:  # the capture was invalidated
                 recorded = False
     torch.cuda.current_stream(q.device).wait_stream(side)
-    return _Graph(graph, static, out, check) if recorded else False
+    return _Graph(graph, static, out, check) if recorded else _EAGER
