@@ -161,14 +161,15 @@ def test_calibration_spends_the_budget_where_it_matters():
     previous = model.config._attn_implementation
     sens = measure_sensitivity(model, ids, bits=(2, 4), prefix=40, scored=16)
     assert model.config._attn_implementation == previous  # restored
-    assert set(sens.key_kl) == {"tq2", "tq4"} and len(sens.key_kl["tq2"]) == 3
+    assert set(sens.key_kl) == {"tq2-unbiased", "tq4-unbiased"} and len(sens.key_kl["tq2-unbiased"]) == 3
+    assert set(sens.value_kl) == {"tq2", "tq4"}  # keys as TQCache's default stores them, values plain
     assert all(x >= 0 for side in (sens.key_kl, sens.value_kl) for v in side.values() for x in v)
-    assert sum(sens.key_kl["tq4"]) < sum(sens.key_kl["tq2"])  # 4-bit keys disturb less than 2-bit keys
+    assert sum(sens.key_kl["tq4-unbiased"]) < sum(sens.key_kl["tq2-unbiased"])  # 4-bit keys disturb less
     assert sum(sens.value_kl["tq4"]) < sum(sens.value_kl["tq2"])
     for budget in (3.0, 3.6, 4.8):  # tq2 / tq4 keys and values: 2.5 / 4.5 bits at head dim 32
         policy = policy_for_budget(sens, budget, allow_dense=False, context_tokens=512)
         assert policy.calibration["bits"] <= budget
-        assert all(not layer.dense for layer in policy.layers)
+        assert all(not layer.dense and layer.key_encoder.endswith("-unbiased") for layer in policy.layers)
     no_sinks = policy.bits_per_element(sens.heads, sens.key_dim, sens.value_dim, 512, sens.dense_bytes)
     assert policy.calibration["bits"] - no_sinks == pytest.approx(8 * 4 * sens.dense_bytes / 512)  # 4 sinks counted
     roomy = policy_for_budget(sens, 40.0, context_tokens=512)  # float32 full precision fits: zero loss

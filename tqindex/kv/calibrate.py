@@ -3,9 +3,9 @@ then :func:`policy_for_budget`, which a user may call apart to try several budge
 
 Every layer's sensitivity is measured alone: the model reads a calibration text of ``prefix + scored``
 tokens, its first ``prefix`` tokens go through a cache in which one layer stores its keys at ``b`` bits
-(its values at 8 bits, nearly exact) and every other layer stays in full precision, the next ``scored``
+(``tq{b}-unbiased``, the keys of ``TQCache``'s default; its values at 8 bits, nearly exact) and every other layer stays in full precision, the next ``scored``
 tokens are predicted in one forward pass over that history, and the sensitivity is the mean KL
-divergence of those predictions from a full-precision cache's, in nats. Values are measured the same
+divergence of those predictions from a full-precision cache's, in nats. Values (``tq{b}``) are measured the same
 way (keys at 8 bits). A layer's loss for ``b_k``-bit keys and ``b_v``-bit values is the sum of the two
 (errors of different layers and of keys and values add up, to first order), a full-precision layer's is
 0, and :func:`tqindex.kv.policy.choose` picks per layer the option of least summed loss whose bytes fit
@@ -41,13 +41,16 @@ from .policy import SINK_LENGTH, KVPolicy, LayerPolicy, choose
 
 NEAR_EXACT = "tq8"
 """The encoder of the side (keys or values) not under measurement."""
+KEY_ENCODER = "tq{}-unbiased"
+"""The key encoders measured (by bits), those of ``TQCache``'s default."""
 
 
 @dataclass(frozen=True)
 class Sensitivity:
     """What :func:`measure_sensitivity` measured: ``key_kl[w][i]`` / ``value_kl[w][i]``, the mean KL divergence
-    (nats per scored token) with layer i's keys / values stored by encoder ``w`` (e.g. ``"tq3"``), and the
-    model's cache shape: layers, KV heads, key and value head dims, bytes per element of its dtype;
+    (nats per scored token) with layer i's keys / values stored by encoder ``w`` (e.g. ``"tq3-unbiased"`` /
+    ``"tq3"``), and the model's cache shape: layers, KV heads, key and value head dims, bytes per element of
+    its dtype;
     ``key_scales``: the per-layer key scales the measurement ran with (nested lists, None per unscaled
     layer), which the chosen policies keep, or None."""
 
@@ -79,7 +82,8 @@ def measure_sensitivity(
     backend: str | None = None,
     key_scales: Sequence[Any] | None = None,
 ) -> Sensitivity:
-    """Each layer's sensitivity to ``"tq{b}"`` keys and values, for b in ``bits`` (module notes).
+    """Each layer's sensitivity to ``"tq{b}-unbiased"`` keys and ``"tq{b}"`` values, for b in ``bits`` (module
+    notes).
 
     model: a transformers causal LM; tokens: calibration token ids [1, T] (or [T]) with T >= prefix +
     scored; backend: the kernels of the trial caches; key_scales: per-layer key scales (:func:`key_scales`)
@@ -115,14 +119,14 @@ def measure_sensitivity(
         policy = KVPolicy(entries, center_keys)
         return policy if key_scales is None else policy.with_key_scales(key_scales)
 
-    kl: dict[str, dict[str, list[float]]] = {side: {f"tq{b}": [0.0] * layers for b in bits}
-                                             for side in ("keys", "values")}
+    names = {"keys": [KEY_ENCODER.format(b) for b in bits], "values": [f"tq{b}" for b in bits]}
+    kl = {side: {name: [0.0] * layers for name in names[side]} for side in names}
     previous = model.config._attn_implementation
     model.set_attn_implementation("tqindex")
     try:
         with torch.inference_mode():
             reference = predictions(DynamicCache(config=model.config))
-            runs = [(i, f"tq{b}", side) for i in range(layers) for b in bits for side in ("keys", "values")]
+            runs = [(i, name, side) for i in range(layers) for side in names for name in names[side]]
             for i, spec, side in tqdm(runs, desc="calibrating", unit="run"):
                 policy = trial(i, spec, NEAR_EXACT) if side == "keys" else trial(i, NEAR_EXACT, spec)
                 logp = predictions(TQCache(model.config, policy=policy, backend=backend))
@@ -141,14 +145,14 @@ def policy_for_budget(sensitivity: Sensitivity, budget_bits: float, *, allow_den
     key/value element on average, side data and full-precision layers included, at a context of
     ``context_tokens`` tokens in a cache that keeps its first ``sink_length`` tokens in full precision
     (``TQCache``'s default; :meth:`KVPolicy.bits_per_element`). Options per layer: every pair of the
-    measured key and value encoders, and full precision if ``allow_dense``. The policy's ``calibration``
+    measured key encoders with every measured value encoder, and full precision if ``allow_dense``. The policy's ``calibration``
     records the budget, the bits reached, the predicted KL and the measurement. ValueError when the budget
     is below the cheapest choice."""
     check_int(context_tokens, "context_tokens", 1)
     check_int(sink_length, "sink_length", 0)
     s = sensitivity
-    widths = list(s.key_kl)
-    options = [LayerPolicy(k, v) for k in widths for v in widths] + ([LayerPolicy(dense=True)] if allow_dense else [])
+    options = [LayerPolicy(k, v) for k in s.key_kl for v in s.value_kl] + ([LayerPolicy(dense=True)] if allow_dense
+                                                                          else [])
     per_token = [o.bytes_per_token(s.heads, s.key_dim, s.value_dim, context_tokens, s.dense_bytes, s.center_keys,
                                    sink_length)
                  for o in options]
