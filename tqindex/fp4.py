@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 
 from . import kernels
-from .codebooks import E2M1_MAGNITUDES, E2M1_VALUES, SCALE_ROUNDINGS, e2m1_encode, ue8m0_byte, ue8m0_exponent, ue8m0_scale
+from .codebooks import (E2M1_MAGNITUDES, E2M1_VALUES, SCALE_ROUNDINGS, e2m1_encode, ue8m0_byte, ue8m0_exponent,
+                        ue8m0_scale)
 from .codes import Codes
 from .directions import CodeRun
 from .encoder import Encoder, register_class, register_name

@@ -435,8 +435,8 @@ def compressed_attention_triton(q: Tensor, keys: Any, values: Any, mask: Tensor 
         qp, qsc, q, kq, kn, vq, vn, kw, vw, qsc if mask_t is None else mask_t, out, m, l_,
         hkv, rows, nq, tc, tw, q.stride(0), q.stride(1), q.stride(2), msb, msq, mst, kq.shape[-1], vq.shape[-1],
         kq.stride(1), vq.stride(1), kn.stride(1), vn.stride(1), kw.stride(1), vw.stride(1), kw.stride(2),
-        vw.stride(2), splits_c, per, scaling, softcap or 1.0, kmag, vmag, *kt, *vt, KR=kr, VR=vr, KFP4=kfp4, VFP4=vfp4, KG=kg, KGP=next_power_of_2(kg),
-        VG=vg, VGP=next_power_of_2(vg), PWK=pw, D=dim,
+        vw.stride(2), splits_c, per, scaling, softcap or 1.0, kmag, vmag, *kt, *vt, KR=kr, VR=vr, KFP4=kfp4,
+        VFP4=vfp4, KG=kg, KGP=next_power_of_2(kg), VG=vg, VGP=next_power_of_2(vg), PWK=pw, D=dim,
         DP=dp, MASK_KIND=mask_kind, SOFTCAP=softcap is not None, CAUSAL=causal and mask is None, DECODE=dec,
         BLOCK_M=block_m, BLOCK_N=BLOCK_N,
         num_warps=8 if block_m > 16 or kr[0] == 8 else DECODE_WARPS, num_stages=NUM_STAGES)

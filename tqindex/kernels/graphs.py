@@ -62,11 +62,12 @@ class _Graph:
 
     def replay(self, q: Tensor) -> tuple[tuple[Tensor, ...], bool]:
         """Replay on queries q -> (copies of the outputs, whether a deferred check fired: search again)."""
-        torch.cuda.current_stream().wait_event(self.done)  # the previous replay's outputs were copied
-        self.q.copy_(q)
-        self.graph.replay()
-        out = tuple(t.clone() for t in self.out)
-        self.done.record()
+        with torch.cuda.device(self.q.device):
+            torch.cuda.current_stream().wait_event(self.done)  # the previous replay's outputs were copied
+            self.q.copy_(q)
+            self.graph.replay()
+            out = tuple(t.clone() for t in self.out)
+            self.done.record()
         return out, self.check is not None and bool(self.check)
 
 

@@ -3,14 +3,15 @@ then :func:`policy_for_budget`, which a user may call apart to try several budge
 
 Every layer's sensitivity is measured alone: the model reads a calibration text of ``prefix + scored``
 tokens, its first ``prefix`` tokens go through a cache in which one layer stores its keys at ``b`` bits
-(``tq{b}-unbiased``, the keys of ``TQCache``'s default; its values at 8 bits, nearly exact) and every other layer stays in full precision, the next ``scored``
-tokens are predicted in one forward pass over that history, and the sensitivity is the mean KL
-divergence of those predictions from a full-precision cache's, in nats. Values (``tq{b}``) are measured the same
-way (keys at 8 bits). A layer's loss for ``b_k``-bit keys and ``b_v``-bit values is the sum of the two
-(errors of different layers and of keys and values add up, to first order), a full-precision layer's is
-0, and :func:`tqindex.kv.policy.choose` picks per layer the option of least summed loss whose bytes fit
-the budget. The scored tokens attend to each other in full precision, as a chunked prefill does; only
-their attention to the compressed prefix is measured, which is what a decoded token reads.
+(``tq{b}-unbiased``, the keys of ``TQCache``'s default; its values at 8 bits, nearly exact) and every
+other layer stays in full precision, the next ``scored`` tokens are predicted in one forward pass over
+that history, and the sensitivity is the mean KL divergence of those predictions from a full-precision
+cache's, in nats. Values (``tq{b}``) are measured the same way (keys at 8 bits). A layer's loss for
+``b_k``-bit keys and ``b_v``-bit values is the sum of the two (errors of different layers and of keys and
+values add up, to first order), a full-precision layer's is 0, and :func:`tqindex.kv.policy.choose` picks
+per layer the option of least summed loss whose bytes fit the budget. The scored tokens attend to each
+other in full precision, as a chunked prefill does; only their attention to the compressed prefix is
+measured, which is what a decoded token reads.
 
 The calibration text should be unrelated to the text the cache will be judged on. The result is a plain
 :class:`~tqindex.kv.policy.KVPolicy`: save it, read it, edit it, pass it to ``TQCache(config, policy=...)``.
@@ -145,9 +146,9 @@ def policy_for_budget(sensitivity: Sensitivity, budget_bits: float, *, allow_den
     key/value element on average, side data and full-precision layers included, at a context of
     ``context_tokens`` tokens in a cache that keeps its first ``sink_length`` tokens in full precision
     (``TQCache``'s default; :meth:`KVPolicy.bits_per_element`). Options per layer: every pair of the
-    measured key encoders with every measured value encoder, and full precision if ``allow_dense``. The policy's ``calibration``
-    records the budget, the bits reached, the predicted KL and the measurement. ValueError when the budget
-    is below the cheapest choice."""
+    measured key encoders with every measured value encoder, and full precision if ``allow_dense``. The
+    policy's ``calibration`` records the budget, the bits reached, the predicted KL and the measurement.
+    ValueError when the budget is below the cheapest choice."""
     check_int(context_tokens, "context_tokens", 1)
     check_int(sink_length, "sink_length", 0)
     s = sensitivity
