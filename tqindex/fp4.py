@@ -83,7 +83,6 @@ class FP4UE8M0(Encoder):
         vals = vals * ue8m0_scale(codes.scale)[..., None]
         return vals.flatten(-2)[..., : self.dim]
 
-
     def level_run(self) -> CodeRun:
         """The E2M1 levels as one 4-bit run of a symmetric codebook (GPU kernels decode through it): its
         code ``c ^ 8`` (``c ^ 15`` where the sign bit 3 of E2M1 code c is set) has E2M1 code c's value."""
