@@ -37,7 +37,6 @@ import _run  # noqa: E402
 from _gpu import bench, roofline  # noqa: E402
 
 import tqindex as tq  # noqa: E402
-from tqindex.kernels.graphs import MAX_GRAPHS  # noqa: E402
 
 QUERY_COUNTS = (1, 16, 256, 4096)
 KS = (10, 100)
@@ -140,9 +139,9 @@ def measure_flat(results: _run.Results, name: str, x: torch.Tensor, q_all: torch
                 continue
             ms = bench(lambda: index.search(q, k))  # up to 256 queries: from the third search on, a graph's replay
             _, I = index.search(q, k)
-            index.cuda_graphs = 0
+            limit, index.cuda_graphs = index.cuda_graphs, 0
             eager_ms = bench(lambda: index.search(q, k))
-            index.cuda_graphs = MAX_GRAPHS
+            index.cuda_graphs = limit
             qb = q.bfloat16()
             exact_ms = bench(lambda: exact_bf16(xb, qb, k))
             _, Ie = exact_bf16(xb, qb, k)

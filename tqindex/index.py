@@ -237,8 +237,8 @@ class BaseIndex(ABC):
         allowed = None if allow is None else torch.from_numpy(np.unique(id_array(allow, "allow"))).to(self.device)
         if self.device.type == "cuda" and allowed is None:
             raw = (q if isinstance(q, Tensor) else as_float_tensor(q, self.dim, "q", allow_empty=True)).to(self.device)
-            shown = raw.dim() == 2 and self._shows_progress(state, len(raw), progress, opts)
-            if raw.dim() == 2 and len(raw) and state.ntotal and not shown:
+            rows = len(raw) if raw.dim() == 2 and state.ntotal else 0  # 0: nothing to record
+            if rows and not self._shows_progress(self._search_work(state, rows, **opts), progress):
                 key = (tuple(raw.shape), raw.dtype, k, *sorted(opts.items()))
                 D, I = self._graphs.run(state, key, raw, lambda r: self._search_on(state, r, k, None, progress, opts))
             else:
@@ -255,7 +255,7 @@ class BaseIndex(ABC):
         index's device."""
         qt = self._vectors_in(q, "q", allow_empty=True)
         work = self._search_work(state, len(qt), **opts)
-        show = self._shows_progress(state, len(qt), progress, opts)
+        show = self._shows_progress(work, progress)
         depth = k * self.rerank_factor if self.keep_vectors else k
         l2 = self.metric == "l2"
         top = make_topk(len(qt), depth, self.device)
@@ -274,10 +274,9 @@ class BaseIndex(ABC):
         D = qt.square().sum(1, keepdim=True) - values if l2 else values
         return D, labels if labels_are_ids else state.ids_of(labels)
 
-    def _shows_progress(self, state: IndexState, nq: int, progress: bool | None, opts: dict[str, Any]) -> bool:
-        """Whether a search of nq queries shows a progress bar (``progress``, else by its work)."""
-        least = PROGRESS_MIN_SCORES_GPU if self.device.type == "cuda" else PROGRESS_MIN_SCORES
-        return _show(progress, self._search_work(state, nq, **opts) >= least)
+    def _shows_progress(self, work: int, progress: bool | None) -> bool:
+        """Whether a search of ``work`` scores shows a progress bar (``progress``, else by its work)."""
+        return _show(progress, work >= (PROGRESS_MIN_SCORES_GPU if self.device.type == "cuda" else PROGRESS_MIN_SCORES))
 
     def _rerank(self, state: IndexState, qt: Tensor, values: Tensor, labels: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """Exact scores of the candidates from the kept vectors -> (values [m, k], labels [m, k]) best first."""
