@@ -6,8 +6,8 @@ Every number comes from one run on one GPU:
 - the card's streaming-read roofline, measured in the same run;
 - kernel level (one decode step of one layer): batch {1, 8, 32} x context {4k, 16k, 64k, 128k} x heads
   (32 query / 8 KV heads, head_dim 128) and (9 / 3, head_dim 64): bf16 SDPA (flash backend, GQA),
-  "dequantize the codes, then SDPA", and the kernel for tq4, tq3 and k8v4 codes (fp4 codes have no
-  kernel yet: their rows say so); TB/s of the bytes each reads (bf16 K/V, or codes with their scales)
+  "dequantize the codes, then SDPA", and the kernel for tq4, tq3, k8v4 and fp4 codes; TB/s of the
+  bytes each reads (bf16 K/V, or codes with their scales)
   against the roofline, and the kernel's error against float32 attention over the decoded codes;
 - end to end, a randomly initialized Llama-8B-shaped model (32 layers, bf16): decode step time (CUDA
   events, median of 16 steps after 4 warm-up steps, the cache cropped back after each) and peak memory
@@ -199,9 +199,8 @@ def e2e_rows(results: _run.Results, device: torch.device, args: argparse.Namespa
     """End-to-end and fixed-budget rows (module notes)."""
     layers = 4 if args.quick else 32
     model = llama8b(device, layers)
-    kinds = ["dynamic", "tq4", "k8v4", "tq3"]
+    kinds = args.caches.split(",")
     configs = ((2048, 1), (4096, 2)) if args.quick else E2E
-    per_token = {}
     for context, batch in configs:
         for kind in kinds:
             key = f"{kind} t{context} b{batch}"
@@ -225,12 +224,15 @@ def e2e_rows(results: _run.Results, device: torch.device, args: argparse.Namespa
                    "allocated_GiB": allocated_bytes(cache) / GiB, "prefill": prefill, "prefill_s": prefill_s}
             results.data["e2e"][key] = row
             results.save()
-            per_token[kind] = nbytes / (batch * context)
             print(f"{key}: step {step:.2f} ms, peak {row['peak_GiB']:.1f} GiB, cache {row['cache_GiB']:.2f} GiB"
                   + (f", prefill {prefill_s:.1f} s" if prefill else ""), flush=True)
             del cache
     budget = args.budget_gib * GiB
     context = 4096 if args.quick else 32768
+    per_token = {}  # each cache's bytes per token at its last measured configuration (a resumed run's too)
+    for key, row in results.data["e2e"].items():
+        if not row.get("oom"):
+            per_token[key.split()[0]] = row["cache_GiB"] * GiB / (row["batch"] * row["context"])
     for kind, bytes_per_token in per_token.items():
         key = f"{kind} budget"
         if key in results.data["budget"]:
@@ -254,39 +256,43 @@ def e2e_rows(results: _run.Results, device: torch.device, args: argparse.Namespa
 
 
 def markdown(data: dict) -> str:
+    """The results as a Markdown page: the sections this run measured (``--sections``)."""
     env = data["env"]
     lines = [f"# Attention from codes on {env.get('gpu', '?')}", "",
              f"git {str(env['git_sha'])[:10]}{' (dirty)' if env['git_dirty'] else ''}, torch "
              f"{env['versions'].get('torch')}, triton {env['versions'].get('triton')}, transformers "
              f"{env['versions'].get('transformers')}, {env['date_utc']}", "",
-             f"Roofline (measured in this run): streaming read {data['roofline']['read_TBps']:.2f} TB/s.", "",
-             "## Kernel level: one decode step of one layer", "",
-             "| shape | bf16 SDPA ms (TB/s) | " + " | ".join(f"{p} ms (TB/s, x SDPA, error)" for p in PRESETS)
-             + " | dequantize + SDPA tq4 ms |", "|---|--:|" + "--:|" * len(PRESETS) + "--:|"]
-    for key, row in data["kernel"].items():
-        cells = []
-        for p in PRESETS:
-            e = row[p]
-            cells.append(f"{e['ms']:.3f} ({e['TBps']:.2f}, {e['speedup_vs_sdpa']:.2f}x, {e['rel_error']:.1e})"
-                         if "ms" in e else "no kernel")
-        lines.append(f"| {key} | {row['sdpa_ms']:.3f} ({row['sdpa_TBps']:.2f}) | " + " | ".join(cells)
-                     + f" | {row['tq4']['dequantize_sdpa_ms']:.3f} |")
-    lines += ["", "## End to end: Llama-8B shape, one decode step", "",
-              "| cache, context, batch | step ms | tokens/s | peak GiB | cache GiB | filled by |",
-              "|---|--:|--:|--:|--:|---|"]
-    for key, r in data["e2e"].items():
-        if r.get("oom"):
-            lines.append(f"| {key} | out of memory | | | | |")
-        else:
-            how = f"prefill ({r['prefill_s']:.1f} s)" if r["prefill"] else "random K/V"
-            lines.append(f"| {key} | {r['step_ms']:.2f} | {r['tokens_per_s']:.0f} | {r['peak_GiB']:.1f} | "
-                         f"{r['cache_GiB']:.2f} | {how} |")
-    lines += ["", f"## At a {data['args']['budget_gib']} GiB KV budget", "",
-              "| cache | tokens held | batch x context | decode tokens/s |", "|---|--:|--:|--:|"]
-    for key, r in data["budget"].items():
-        tps = "out of memory" if r.get("oom") else f"{r['tokens_per_s']:.0f}"
-        lines.append(f"| {key} | {r['tokens_held']} | {r['batch']} x {r['context']} | {tps} |")
-    return "\n".join(lines) + "\n"
+             f"Roofline (measured in this run): streaming read {data['roofline']['read_TBps']:.2f} TB/s.", ""]
+    if data["kernel"]:
+        lines += ["## Kernel level: one decode step of one layer", "",
+                  "| shape | bf16 SDPA ms (TB/s) | " + " | ".join(f"{p} ms (TB/s, x SDPA, error)" for p in PRESETS)
+                  + " | dequantize + SDPA tq4 ms |", "|---|--:|" + "--:|" * len(PRESETS) + "--:|"]
+        for key, row in data["kernel"].items():
+            cells = [f"{e['ms']:.3f} ({e['TBps']:.2f}, {e['speedup_vs_sdpa']:.2f}x, {e['rel_error']:.1e})"
+                     for e in (row[p] for p in PRESETS)]
+            lines.append(f"| {key} | {row['sdpa_ms']:.3f} ({row['sdpa_TBps']:.2f}) | " + " | ".join(cells)
+                         + f" | {row['tq4']['dequantize_sdpa_ms']:.3f} |")
+        lines.append("")
+    if data["e2e"]:
+        lines += ["## End to end: Llama-8B shape, one decode step", "",
+                  "| cache, context, batch | step ms | tokens/s | peak GiB | cache GiB | filled by |",
+                  "|---|--:|--:|--:|--:|---|"]
+        for key, r in data["e2e"].items():
+            if r.get("oom"):
+                lines.append(f"| {key} | out of memory | | | | |")
+            else:
+                how = f"prefill ({r['prefill_s']:.1f} s)" if r["prefill"] else "random K/V"
+                lines.append(f"| {key} | {r['step_ms']:.2f} | {r['tokens_per_s']:.0f} | {r['peak_GiB']:.1f} | "
+                             f"{r['cache_GiB']:.2f} | {how} |")
+        lines.append("")
+    if data["budget"]:
+        lines += [f"## At a {data['args']['budget_gib']} GiB KV budget", "",
+                  "| cache | tokens held | batch x context | decode tokens/s |", "|---|--:|--:|--:|"]
+        for key, r in data["budget"].items():
+            tps = "out of memory" if r.get("oom") else f"{r['tokens_per_s']:.0f}"
+            lines.append(f"| {key} | {r['tokens_held']} | {r['batch']} x {r['context']} | {tps} |")
+        lines.append("")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -296,8 +302,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prefill", action="store_true", help="fill every end-to-end cache by a real prefill")
     p.add_argument("--budget-gib", type=float, default=40.0, help="the fixed KV budget (GiB)")
     p.add_argument("--sections", default="kernel,e2e")
+    p.add_argument("--caches", default="dynamic,tq4,k8v4,tq3",
+                   help="caches of the end-to-end rows (dynamic and TQCache presets: " + ", ".join(PRESETS) + ")")
     p.add_argument("--restart", action="store_true", help="measure afresh instead of continuing --out's run")
     args = p.parse_args(argv)
+    unknown = set(args.caches.split(",")) - {"dynamic", *PRESETS}
+    if unknown:
+        p.error(f"unknown caches {', '.join(sorted(unknown))} (choose from dynamic, {', '.join(PRESETS)})")
     if not torch.cuda.is_available():
         raise SystemExit("gpu_attention.py needs a CUDA GPU")
     device = torch.device("cuda")

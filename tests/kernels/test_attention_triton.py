@@ -28,7 +28,7 @@ def stores(kenc: str, venc: str, b: int, hkv: int, d: int, past: int, window: in
 
 
 def check(kenc, venc, b, hq, hkv, d, past, window, nq, mask=None, softcap=None, causal=True, decode=None,
-          strided=True):
+          strided=True, one_pass=None):
     """The kernel against the reference; ``strided``: q [B, Hq, Q, D] a transposed view of [B, Q, Hq, D], as
     attention layers pass it (else contiguous)."""
     from tqindex.kernels.attention_triton import compressed_attention_triton
@@ -40,7 +40,8 @@ def check(kenc, venc, b, hq, hkv, d, past, window, nq, mask=None, softcap=None, 
     q = q if strided else q.contiguous()
     scaling = d ** -0.5
     ref = compressed_attention_ref(q.float(), keys, values, mask, scaling, softcap=softcap, causal=causal)
-    out = compressed_attention_triton(q, keys, values, mask, scaling, softcap=softcap, causal=causal, decode=decode)
+    out = compressed_attention_triton(q, keys, values, mask, scaling, softcap=softcap, causal=causal, decode=decode,
+                                      one_pass=one_pass)
     assert out.dtype == q.dtype and out.shape == ref.shape
     err = (out.float() - ref).norm() / ref.norm()
     assert err < 2e-3, float(err)
@@ -63,6 +64,23 @@ def test_encoders_and_dims(kenc, venc, d):
 def test_prefill_chunk_over_a_compressed_past_is_causal():
     check("tq4", "tq4", 1, 4, 2, 64, 300, 70, 70)  # the chunk is the window: 70 queries, causal
     check("tq4", "tq4", 1, 4, 2, 64, 300, 70, 70, strided=False)
+
+
+@pytest.mark.parametrize("kenc, venc, d, past", [("tq4", "tq4", 64, 300), ("tq3", "fp4", 96, 129),
+                                                 ("tq4", "tq4", 64, 0)])
+def test_prefill_chunk_in_one_pass_per_row_block(kenc, venc, d, past):
+    """Each program takes all tokens of its rows and writes the output (no partials, no merge): what prefill
+    chunks whose row blocks fill the card run."""
+    from tqindex.kernels import multiprocessors
+    from tqindex.kernels.attention_triton import PROGRAMS_PER_SM
+
+    nq = 70
+    check(kenc, venc, 2, 8, 4, d, past, nq, nq, one_pass=True)
+    mask = torch.ones(2, 1, nq, past + nq, dtype=torch.bool).tril(past)
+    mask[0, ..., :20] = False  # left padding of the first row
+    check(kenc, venc, 2, 8, 4, d, past, nq, nq, mask=mask.to(DEVICE), softcap=20.0, one_pass=True)
+    b = PROGRAMS_PER_SM * multiprocessors(DEVICE) // (4 * 3) + 1  # 4 KV heads x 3 row blocks (G x Q = 140 rows)
+    check(kenc, venc, b, 8, 4, d, past, nq, nq)  # enough row blocks: one pass by default
 
 
 def test_no_window_softcap_padding_mask_and_no_past():

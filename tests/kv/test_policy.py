@@ -142,7 +142,7 @@ def test_policy_bits_match_the_bytes_a_cache_holds():
     ids = prompt(length=40)
     with torch.no_grad():
         model(input_ids=ids[:, :30], **{CACHE_KW: cache})
-        for i in range(30, 40):  # decode steps: the window holds residual_length + 1 tokens
+        for i in range(30, 40):  # decode steps: the window holds residual_length tokens between them
             model(input_ids=ids[:, i:i + 1], **{CACHE_KW: cache})
     elements = 40 * 4 * 2 * (32 + 32)  # tokens x layers x KV heads x (Dk + Dv)
     held = 8 * cache.nbytes() / elements

@@ -1,7 +1,7 @@
 """Attention straight from direction codes on GPUs (Triton): decode steps and prefill chunks over a
 compressed past.
 
-Three launches per call. The query kernel rotates the queries into the key encoder's planar order in one
+Two or three launches per call. The query kernel rotates the queries into the key encoder's planar order in one
 product with a precomputed matrix (the rotation's columns, reordered) and scales each row by a power of
 two. The attention kernel is split-K (flash-decoding): a program takes one (batch row, KV head), a block
 of BLOCK_M query rows (the G query heads sharing that KV head times the Q query positions, head-major)
@@ -22,8 +22,11 @@ newest tokens, causal):
 
 Each program writes its partial (m, l, sum); the merge kernel combines them by log-sum-exp, rotates the
 compressed part's sum back (one product with the inverse rotation's matrix), adds the window's and
-writes the output in the [B, Q, Hq, D] layout attention layers return. No full-precision copy of the
-compressed history is made. The PyTorch reference is :func:`tqindex.kv.attention.compressed_attention_ref`.
+writes the output in the [B, Q, Hq, D] layout attention layers return. Where the row blocks alone fill
+the card (prefill chunks: thousands of query rows), each program instead takes every token of its rows,
+compressed then window (rotating its sum back in between, skipping window tokens after its rows' causal
+limit) and writes the output itself: no partials, no merge. No full-precision copy of the compressed
+history is made. The PyTorch reference is :func:`tqindex.kv.attention.compressed_attention_ref`.
 """
 
 from __future__ import annotations
@@ -221,21 +224,104 @@ def _query_kernel(Q, MQ, QP, QSC, hkv, rows, nq, q_sb, q_sh, q_sq, D: tl.constex
 
 
 @triton.jit
+def _softmax_step(s, acc, m_i, l_i):
+    """One tile of the online softmax: scores s [BLOCK_M, BLOCK_N] -> (probabilities p, acc rescaled, new max,
+    new normalizer); the caller adds p V to acc."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    shift = tl.where(m_new > float("-inf"), m_new, 0.0)
+    alpha = tl.exp2((m_i - shift) * LOG2E)
+    p = tl.exp2((s - shift[:, None]) * LOG2E)
+    return p, acc * alpha[:, None], m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def _compressed_tiles(acc, m_i, l_i, t_lo, t_hi, QP, QSC, KC, KN, VC, VN, bh64, r, rmask, mask_rows, rows, kbytes,
+                      vbytes, kc_stride, vc_stride, kn_stride, vn_stride, mask_st, scaling, softcap, KMAG, VMAG,
+                      KT0, KT1, KT2, KT3, VT0, VT1, VT2, VT3, KR: tl.constexpr, VR: tl.constexpr,
+                      KFP4: tl.constexpr, VFP4: tl.constexpr, KG: tl.constexpr, KGP: tl.constexpr, VG: tl.constexpr,
+                      VGP: tl.constexpr, PWK: tl.constexpr, DP: tl.constexpr, MASK_KIND: tl.constexpr,
+                      SOFTCAP: tl.constexpr, DECODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The online softmax of rows ``r`` over compressed tokens t_lo..t_hi (every one visible to every row),
+    values summed in the value encoder's rotated domain -> (acc, m_i, l_i)."""
+    qsc = tl.load(QSC + bh64 * rows + r, mask=rmask, other=1.0)
+    q_ptr = QP + (bh64 * rows + r)[:, None] * PWK
+    for t0 in range(t_lo, t_hi, BLOCK_N):
+        tok = t0 + tl.arange(0, BLOCK_N)
+        tmask = tok < t_hi
+        ks, kmax = _token_scales(KN + bh64 * kn_stride, tok, tmask, KG, KGP, KFP4)
+        s = _key_scores(q_ptr, rmask[:, None], KC + bh64 * kc_stride, kbytes, tok, tmask, KMAG, KR, DECODE,
+                        KT0, KT1, KT2, KT3, KN + bh64 * kn_stride, kmax, KFP4, BLOCK_M, BLOCK_N)
+        s = s * qsc[:, None] * ks[None, :] * scaling
+        if SOFTCAP:
+            s = softcap * (2 * tl.sigmoid(2 * s / softcap) - 1)  # softcap * tanh(s / softcap)
+        s = _masked(s, tmask[None, :] & rmask[:, None], mask_rows + tok[None, :] * mask_st, MASK_KIND)
+        p, acc, m_i, l_i = _softmax_step(s, acc, m_i, l_i)
+        vs, vmax = _token_scales(VN + bh64 * vn_stride, tok, tmask, VG, VGP, VFP4)
+        v = _value_rows(VC + bh64 * vc_stride, vbytes, tok, tmask, VMAG, VR, DECODE, VT0, VT1, VT2, VT3,
+                        VN + bh64 * vn_stride, vmax, VG, VGP, VFP4, DP, BLOCK_N)
+        acc = tl.dot((p * vs[None, :]).to(tl.float16), v, acc)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _window_tiles(acc, m_i, l_i, t_lo, t_hi, Q, KW, VW, b, bh, hkv, bh64, r, rmask, mask_rows, rows, nq, tc, tw,
+                  q_sb, q_sh, q_sq, kw_stride, vw_stride, kw_tstride, vw_tstride, mask_st, scaling, softcap,
+                  D: tl.constexpr, DP: tl.constexpr, MASK_KIND: tl.constexpr, SOFTCAP: tl.constexpr,
+                  CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The online softmax of rows ``r`` over window tokens t_lo..t_hi: query row r (position r % nq of the
+    last nq) sees window token j <= tw - nq + r % nq where CAUSAL -> (acc, m_i, l_i)."""
+    dcol = tl.arange(0, DP)
+    last = tw - nq + r % nq
+    q_rows = _query_rows(Q, b, bh % hkv, r, rows, nq, q_sb, q_sh, q_sq)
+    q = tl.load(q_rows[:, None] + dcol[None, :], mask=rmask[:, None] & (dcol[None, :] < D), other=0.0)
+    q = q.to(tl.float16)
+    for t0 in range(t_lo, t_hi, BLOCK_N):
+        tok = t0 + tl.arange(0, BLOCK_N)
+        tmask = tok < t_hi
+        k = tl.load(KW + bh64 * kw_stride + tok[:, None] * kw_tstride + dcol[None, :],
+                    mask=tmask[:, None] & (dcol[None, :] < D), other=0.0).to(tl.float16)
+        s = tl.dot(q, tl.trans(k)) * scaling
+        if SOFTCAP:
+            s = softcap * (2 * tl.sigmoid(2 * s / softcap) - 1)
+        visible = tmask[None, :] & rmask[:, None]
+        if CAUSAL:
+            visible = visible & (tok[None, :] <= last[:, None])
+        s = _masked(s, visible, mask_rows + (tc + tok)[None, :] * mask_st, MASK_KIND)
+        p, acc, m_i, l_i = _softmax_step(s, acc, m_i, l_i)
+        v = tl.load(VW + bh64 * vw_stride + tok[:, None] * vw_tstride + dcol[None, :],
+                    mask=tmask[:, None] & (dcol[None, :] < D), other=0.0).to(tl.float16)
+        acc = tl.dot(p.to(tl.float16), v, acc)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _store_result(acc, total, RES, bh, r, ok, hkv, hq, rows, nq, D: tl.constexpr, DP: tl.constexpr):
+    """acc / total (0 for rows that see no key) in RES's dtype to RES [B, Q, Hq, D] (rows ``r`` of ``bh``)."""
+    d = tl.arange(0, DP)
+    res = tl.where(total[:, None] > 0, acc / tl.maximum(total, 1.1754943508222875e-38)[:, None], 0.0)
+    b, h = bh // hkv, (bh % hkv) * (rows // nq) + r // nq
+    at = ((b.to(tl.int64) * nq + r % nq) * hq + h) * D
+    tl.store(RES + at[:, None] + d[None, :], res.to(RES.dtype.element_ty), mask=ok[:, None] & (d[None, :] < D))
+
+
+@triton.jit
 def _attention_kernel(
-    QP, QSC, Q, KC, KN, VC, VN, KW, VW, MASK, OUT, M_OUT, L_OUT,
-    hkv, rows, nq, tc, tw, q_sb, q_sh, q_sq, mask_sb, mask_sq, mask_st, kbytes, vbytes, kc_stride, vc_stride,
+    QP, QSC, Q, KC, KN, VC, VN, KW, VW, MASK, OUT, M_OUT, L_OUT, MV, RES,
+    hkv, hq, rows, nq, tc, tw, q_sb, q_sh, q_sq, mask_sb, mask_sq, mask_st, kbytes, vbytes, kc_stride, vc_stride,
     kn_stride, vn_stride, kw_stride, vw_stride, kw_tstride, vw_tstride, splits_c, tokens_per_split, scaling, softcap,
     KMAG, VMAG, KT0, KT1, KT2, KT3, VT0, VT1, VT2, VT3,
     KR: tl.constexpr, VR: tl.constexpr, KFP4: tl.constexpr, VFP4: tl.constexpr, KG: tl.constexpr, KGP: tl.constexpr,
     VG: tl.constexpr, VGP: tl.constexpr, PWK: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     MASK_KIND: tl.constexpr, SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr, DECODE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    FUSED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Program (batch row x KV head ``bh``, row block, split): the partial softmax of its query rows over the
-    split's tokens (splits < splits_c: compressed tokens; the others: window tokens), written to OUT
-    [bh, split, rows, DP] (compressed: the value encoder's rotated domain; window: plain), M_OUT / L_OUT
-    [bh, split, rows]. Side data KN / VN: the norms [bh, tokens] of direction codes, or (KFP4 / VFP4) the UE8M0
-    group exponents [bh, tokens, KG / VG] of FP4 codes (kn_stride / vn_stride: per bh)."""
+    """Program (batch row x KV head ``bh``, row block, split). FUSED (one split): the attention of its query
+    rows over every token, the compressed part's sum rotated back by MV float32 [DP, DP] (the value rotation's
+    inverse, zero padded) before the window's is added, written to RES [B, Q, Hq, D]. Else the partial
+    softmax over the split's tokens (splits < splits_c: compressed tokens; the others: window tokens), written
+    to OUT [bh, split, rows, DP] (compressed: the value encoder's rotated domain; window: plain), M_OUT /
+    L_OUT [bh, split, rows]. Side data KN / VN: the norms [bh, tokens] of direction codes, or (KFP4 / VFP4)
+    the UE8M0 group exponents [bh, tokens, KG / VG] of FP4 codes (kn_stride / vn_stride: per bh)."""
     bh, mb, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     nsplit = tl.num_programs(2)
     b = bh // hkv
@@ -246,65 +332,37 @@ def _attention_kernel(
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, DP), tl.float32)
-    dcol = tl.arange(0, DP)
-    if sp < splits_c:  # the compressed past: every token visible to every query row
-        qsc = tl.load(QSC + bh * rows + r, mask=rmask, other=1.0)
-        q_ptr = QP + (bh64 * rows + r)[:, None] * PWK
-        t_lo = sp * tokens_per_split
-        t_hi = tl.minimum(t_lo + tokens_per_split, tc)
-        for t0 in range(t_lo, t_hi, BLOCK_N):
-            tok = t0 + tl.arange(0, BLOCK_N)
-            tmask = tok < t_hi
-            ks, kmax = _token_scales(KN + bh64 * kn_stride, tok, tmask, KG, KGP, KFP4)
-            s = _key_scores(q_ptr, rmask[:, None], KC + bh64 * kc_stride, kbytes, tok, tmask, KMAG, KR, DECODE,
-                            KT0, KT1, KT2, KT3, KN + bh64 * kn_stride, kmax, KFP4, BLOCK_M, BLOCK_N)
-            s = s * qsc[:, None] * ks[None, :] * scaling
-            if SOFTCAP:
-                s = softcap * (2 * tl.sigmoid(2 * s / softcap) - 1)  # softcap * tanh(s / softcap)
-            s = _masked(s, tmask[None, :] & rmask[:, None], mask_rows + tok[None, :] * mask_st, MASK_KIND)
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            shift = tl.where(m_new > float("-inf"), m_new, 0.0)
-            alpha = tl.exp2((m_i - shift) * LOG2E)
-            p = tl.exp2((s - shift[:, None]) * LOG2E)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            vs, vmax = _token_scales(VN + bh64 * vn_stride, tok, tmask, VG, VGP, VFP4)
-            v = _value_rows(VC + bh64 * vc_stride, vbytes, tok, tmask, VMAG, VR, DECODE, VT0, VT1, VT2, VT3,
-                            VN + bh64 * vn_stride, vmax, VG, VGP, VFP4, DP, BLOCK_N)
-            acc = acc * alpha[:, None] + tl.dot((p * vs[None, :]).to(tl.float16), v)
-            m_i = m_new
-    else:  # the window: query row r (position r % nq of the last nq) sees window token j <= tw - nq + r % nq
-        per = tl.cdiv(tw, nsplit - splits_c)
-        t_lo = (sp - splits_c) * per
-        t_hi = tl.minimum(t_lo + per, tw)
-        last = tw - nq + r % nq
-        q_rows = _query_rows(Q, b, bh % hkv, r, rows, nq, q_sb, q_sh, q_sq)
-        q = tl.load(q_rows[:, None] + dcol[None, :], mask=rmask[:, None] & (dcol[None, :] < D), other=0.0)
-        q = q.to(tl.float16)
-        for t0 in range(t_lo, t_hi, BLOCK_N):
-            tok = t0 + tl.arange(0, BLOCK_N)
-            tmask = tok < t_hi
-            k = tl.load(KW + bh64 * kw_stride + tok[:, None] * kw_tstride + dcol[None, :],
-                        mask=tmask[:, None] & (dcol[None, :] < D), other=0.0).to(tl.float16)
-            s = tl.dot(q, tl.trans(k)) * scaling
-            if SOFTCAP:
-                s = softcap * (2 * tl.sigmoid(2 * s / softcap) - 1)
-            visible = tmask[None, :] & rmask[:, None]
-            if CAUSAL:
-                visible = visible & (tok[None, :] <= last[:, None])
-            s = _masked(s, visible, mask_rows + (tc + tok)[None, :] * mask_st, MASK_KIND)
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            shift = tl.where(m_new > float("-inf"), m_new, 0.0)
-            alpha = tl.exp2((m_i - shift) * LOG2E)
-            p = tl.exp2((s - shift[:, None]) * LOG2E)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(VW + bh64 * vw_stride + tok[:, None] * vw_tstride + dcol[None, :],
-                        mask=tmask[:, None] & (dcol[None, :] < D), other=0.0).to(tl.float16)
-            acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
-            m_i = m_new
-    base = (bh64 * nsplit + sp) * rows + r
-    tl.store(M_OUT + base, m_i, mask=rmask)
-    tl.store(L_OUT + base, l_i, mask=rmask)
-    tl.store(OUT + base[:, None] * DP + dcol[None, :], acc, mask=rmask[:, None])
+    if FUSED or sp < splits_c:
+        t_lo = 0 if FUSED else sp * tokens_per_split
+        t_hi = tc if FUSED else tl.minimum(t_lo + tokens_per_split, tc)
+        acc, m_i, l_i = _compressed_tiles(
+            acc, m_i, l_i, t_lo, t_hi, QP, QSC, KC, KN, VC, VN, bh64, r, rmask, mask_rows, rows, kbytes, vbytes,
+            kc_stride, vc_stride, kn_stride, vn_stride, mask_st, scaling, softcap, KMAG, VMAG, KT0, KT1, KT2, KT3,
+            VT0, VT1, VT2, VT3, KR, VR, KFP4, VFP4, KG, KGP, VG, VGP, PWK, DP, MASK_KIND, SOFTCAP, DECODE,
+            BLOCK_M, BLOCK_N)
+    if FUSED:
+        d = tl.arange(0, DP)
+        acc = tl.dot(acc, tl.load(MV + d[:, None] * DP + d[None, :]), input_precision=PRECISION)
+        t_hi = tw
+        if CAUSAL:  # the window tokens after the block's last query position are masked for all its rows
+            t_hi = tl.minimum(tw, tw - nq + tl.max(tl.where(rmask, r % nq, 0)) + 1)
+        acc, m_i, l_i = _window_tiles(
+            acc, m_i, l_i, 0, t_hi, Q, KW, VW, b, bh, hkv, bh64, r, rmask, mask_rows, rows, nq, tc, tw, q_sb, q_sh,
+            q_sq, kw_stride, vw_stride, kw_tstride, vw_tstride, mask_st, scaling, softcap, D, DP, MASK_KIND,
+            SOFTCAP, CAUSAL, BLOCK_N)
+        _store_result(acc, l_i, RES, bh, r, rmask, hkv, hq, rows, nq, D, DP)
+    else:
+        if sp >= splits_c:
+            per = tl.cdiv(tw, nsplit - splits_c)
+            t_lo = (sp - splits_c) * per
+            acc, m_i, l_i = _window_tiles(
+                acc, m_i, l_i, t_lo, tl.minimum(t_lo + per, tw), Q, KW, VW, b, bh, hkv, bh64, r, rmask, mask_rows,
+                rows, nq, tc, tw, q_sb, q_sh, q_sq, kw_stride, vw_stride, kw_tstride, vw_tstride, mask_st, scaling,
+                softcap, D, DP, MASK_KIND, SOFTCAP, CAUSAL, BLOCK_N)
+        base = (bh64 * nsplit + sp) * rows + r
+        tl.store(M_OUT + base, m_i, mask=rmask)
+        tl.store(L_OUT + base, l_i, mask=rmask)
+        tl.store(OUT + base[:, None] * DP + tl.arange(0, DP)[None, :], acc, mask=rmask[:, None])
 
 
 @triton.jit
@@ -340,10 +398,7 @@ def _merge_kernel(OUT, M, L, MV, RES, hkv, hq, rows, nq, splits, splits_c, D: tl
     for sp in range(splits_c, splits):  # the window's
         acc_w, total = _merge_split(acc_w, total, OUT, M, L, base + sp * rows, ok, shift, DP)
     acc = tl.dot(acc_c, tl.load(MV + d[:, None] * DP + d[None, :]), input_precision=PRECISION) + acc_w
-    res = tl.where(total[:, None] > 0, acc / tl.maximum(total, 1.1754943508222875e-38)[:, None], 0.0)
-    b, h = bh // hkv, (bh % hkv) * (rows // nq) + r // nq
-    at = ((b.to(tl.int64) * nq + r % nq) * hq + h) * D
-    tl.store(RES + at[:, None] + d[None, :], res.to(RES.dtype.element_ty), mask=ok[:, None] & (d[None, :] < D))
+    _store_result(acc, total, RES, bh, r, ok, hkv, hq, rows, nq, D, DP)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -387,13 +442,14 @@ def mask_layout(mask: Tensor | None, b: int, nq: int, total: int) -> tuple[Tenso
 
 
 def compressed_attention_triton(q: Tensor, keys: Any, values: Any, mask: Tensor | None, scaling: float,
-                                softcap: float | None = None, causal: bool = True,
-                                decode: int | None = None) -> Tensor:
+                                softcap: float | None = None, causal: bool = True, decode: int | None = None,
+                                one_pass: bool | None = None) -> Tensor:
     """:func:`tqindex.kv.attention.compressed_attention` by three kernels (module notes): the queries' rotation
     into planar order, the split-K attention, the merge. q [B, Hq, Q, D] (any strides); keys / values
     CompressedTokens [B, Hkv, T, D] whose codes the kernels read (``attention_reads``); mask None (then causal
     over the window) or [B|1, 1, Q, T] (:func:`mask_layout`). Returns [B, Hq, Q, D] in q's dtype, a view of a
-    [B, Q, Hq, D] tensor (the layout attention layers pass on)."""
+    [B, Q, Hq, D] tensor (the layout attention layers pass on). ``one_pass``: each program takes all tokens of
+    its rows (module notes; default: where the row blocks alone fill the card)."""
     bsz, hq, nq, dim = q.shape
     hkv, tc, tw = keys.shape[1], keys.codes.shape[2], keys.window.shape[2]
     rows, device = (hq // hkv) * nq, q.device
@@ -412,17 +468,17 @@ def compressed_attention_triton(q: Tensor, keys: Any, values: Any, mask: Tensor 
     _query_kernel[(bsz * hkv, triton.cdiv(rows, MERGE_ROWS))](
         q, mq, qp, qsc, hkv, rows, nq, q.stride(0), q.stride(1), q.stride(2), D=dim, DP=dp, PW=pw, PWP=mq.shape[1],
         BLOCK_R=MERGE_ROWS, PRECISION=precision, num_warps=4)
-    splits_c = 0
-    per = BLOCK_N
-    if tc:
-        want = max(1, triton.cdiv(PROGRAMS_PER_SM * multiprocessors(device), bsz * hkv * row_blocks))
+    want = triton.cdiv(PROGRAMS_PER_SM * multiprocessors(device), bsz * hkv * row_blocks)
+    fused = want == 1 if one_pass is None else one_pass
+    splits_c, per = 0, BLOCK_N
+    if tc and not fused:
         per = triton.cdiv(triton.cdiv(tc, min(want, triton.cdiv(tc, MIN_SPLIT_TOKENS))), BLOCK_N) * BLOCK_N
         splits_c = triton.cdiv(tc, per)
-    splits_w = triton.cdiv(tw, WINDOW_SPLIT) if tw else 0
-    splits = splits_c + splits_w
-    out = torch.empty(bsz * hkv, splits, rows, dp, device=device)
-    m = torch.empty(bsz * hkv, splits, rows, device=device)
-    l_ = torch.empty_like(m)
+    splits = 1 if fused else splits_c + (triton.cdiv(tw, WINDOW_SPLIT) if tw else 0)
+    res = torch.empty(bsz, nq, hq, dim, device=device, dtype=q.dtype)
+    out = res if fused else torch.empty(bsz * hkv, splits, rows, dp, device=device)
+    m = qsc if fused else torch.empty(bsz * hkv, splits, rows, device=device)  # (fused: unused pointers)
+    l_ = m if fused else torch.empty_like(m)
     kq, vq = keys.codes.qdata, values.codes.qdata  # [B, Hkv, capacity, bytes], batch-major
     kfp4, vfp4 = keys.codes.norm is None, values.codes.norm is None  # FP4: group exponents instead of norms
     kn = keys.codes.scale if kfp4 else keys.codes.norm
@@ -432,16 +488,16 @@ def compressed_attention_triton(q: Tensor, keys: Any, values: Any, mask: Tensor 
     mask_t, (msb, msq, mst), mask_kind = mask_layout(mask, bsz, nq, tc + tw)
     dec = default_decode(device) if decode is None else decode
     _attention_kernel[(bsz * hkv, row_blocks, splits)](
-        qp, qsc, q, kq, kn, vq, vn, kw, vw, qsc if mask_t is None else mask_t, out, m, l_,
-        hkv, rows, nq, tc, tw, q.stride(0), q.stride(1), q.stride(2), msb, msq, mst, kq.shape[-1], vq.shape[-1],
-        kq.stride(1), vq.stride(1), kn.stride(1), vn.stride(1), kw.stride(1), vw.stride(1), kw.stride(2),
-        vw.stride(2), splits_c, per, scaling, softcap or 1.0, kmag, vmag, *kt, *vt, KR=kr, VR=vr, KFP4=kfp4,
-        VFP4=vfp4, KG=kg, KGP=next_power_of_2(kg), VG=vg, VGP=next_power_of_2(vg), PWK=pw, D=dim,
-        DP=dp, MASK_KIND=mask_kind, SOFTCAP=softcap is not None, CAUSAL=causal and mask is None, DECODE=dec,
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        qp, qsc, q, kq, kn, vq, vn, kw, vw, qsc if mask_t is None else mask_t, out, m, l_, mv, res, hkv, hq, rows,
+        nq, tc, tw, q.stride(0), q.stride(1), q.stride(2), msb, msq, mst, kq.shape[-1], vq.shape[-1], kq.stride(1),
+        vq.stride(1), kn.stride(1), vn.stride(1), kw.stride(1), vw.stride(1), kw.stride(2), vw.stride(2), splits_c,
+        per, scaling, softcap or 1.0, kmag, vmag, *kt, *vt,
+        KR=kr, VR=vr, KFP4=kfp4, VFP4=vfp4, KG=kg, KGP=next_power_of_2(kg), VG=vg, VGP=next_power_of_2(vg), PWK=pw,
+        D=dim, DP=dp, MASK_KIND=mask_kind, SOFTCAP=softcap is not None, CAUSAL=causal and mask is None,
+        DECODE=dec, FUSED=fused, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
         num_warps=8 if block_m > 16 or kr[0] == 8 else DECODE_WARPS, num_stages=NUM_STAGES)
-    res = torch.empty(bsz, nq, hq, dim, device=device, dtype=q.dtype)
-    _merge_kernel[(bsz * hkv, triton.cdiv(rows, MERGE_ROWS))](
-        out, m, l_, mv, res, hkv, hq, rows, nq, splits, splits_c, D=dim, DP=dp, BLOCK_R=MERGE_ROWS,
-        PRECISION=precision, num_warps=4)
+    if not fused:
+        _merge_kernel[(bsz * hkv, triton.cdiv(rows, MERGE_ROWS))](
+            out, m, l_, mv, res, hkv, hq, rows, nq, splits, splits_c, D=dim, DP=dp, BLOCK_R=MERGE_ROWS,
+            PRECISION=precision, num_warps=4)
     return res.transpose(1, 2)

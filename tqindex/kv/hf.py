@@ -127,6 +127,7 @@ class TQLayer(CacheLayerMixin):
         self.is_initialized = False
         self.store = KVStore(key_encoder, value_encoder, residual_length, center_keys, key_scale, sink_length)
         self.config = config
+        self.settles = True  # encode the tokens beyond the window after each update (KVStore.settle)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "TQLayer":
         """Copy the stored tokens; the copy shares the encoders and follows the same model config."""
@@ -165,10 +166,14 @@ class TQLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         self.store.append(key_states, value_states)
         if getattr(self.config, "_attn_implementation", None) == ATTN_IMPLEMENTATION:
-            return self.store.view()
-        if not _tracing():
-            logger.warning_once(_decoding_warning(self.config))
-        return self.store.materialize(key_states.dtype)
+            held = self.store.view()
+        else:
+            if not _tracing():
+                logger.warning_once(_decoding_warning(self.config))
+            held = self.store.materialize(key_states.dtype)
+        if self.settles:  # the chunk stays in full precision in ``held`` only, for this step's attention
+            self.store.settle()
+        return held
 
     def get_mask_sizes(self, query_length: int | Tensor) -> tuple[int, int]:
         """(kv_length, kv_offset) of the next attention call, for the mask. ``query_length``: the number of
@@ -402,7 +407,10 @@ class TQCache(DynamicCache):
         dims = (key_states.shape[-1], value_states.shape[-1])
         while len(self.layers) <= layer_idx:
             first = self.num_model_layers is None and len(self.layers) < self.protected_layers
-            self.layers.append(self._layer(dims, protected=first))
+            layer = self._layer(dims, protected=first)
+            if isinstance(layer, TQLayer) and self.num_model_layers is None:  # may turn out to be a last layer
+                layer.settles = False
+            self.layers.append(layer)
 
     def _protect_last_layers(self) -> None:
         self.num_model_layers = len(self.layers)
@@ -411,9 +419,12 @@ class TQCache(DynamicCache):
             if isinstance(layer, TQLayer):
                 dense = DynamicLayer()
                 if layer.is_initialized:
-                    assert layer.store.compressed_length == 0  # one update so far: every token in the window
+                    assert layer.store.compressed_length == 0  # one update, not settled: all in the window
                     dense.update(layer.keys, layer.values)
                 self.layers[i] = dense
+        for layer in self.layers:
+            if isinstance(layer, TQLayer):
+                layer.settles = True
 
     def _fill(self, data: Iterable[tuple[Tensor | None, ...]]) -> None:
         """Start from per-layer ``(keys, values[, sliding window tensor])`` (``ddp_cache_data``)."""

@@ -13,9 +13,9 @@ measures the sensitivities on a model and calls it.
 
 Bytes of a layer per token and batch row, for ``heads`` KV heads of key/value head dims ``Dk``/``Dv``:
 ``heads · (key code_size + value code_size)`` for the codes, plus the window amortized over a context
-of ``context_tokens`` tokens: ``(residual_length + 1 + sink_length) · heads · (Dk + Dv) · dense_bytes /
-context_tokens`` (the window holds the previous ``residual_length`` tokens and the current step's, at least
-one, and the cache's ``sink_length`` first tokens in full precision; ``dense_bytes``: bytes per element of
+of ``context_tokens`` tokens: ``(residual_length + sink_length) · heads · (Dk + Dv) · dense_bytes /
+context_tokens`` (between steps the window holds the newest ``residual_length`` tokens and the cache's
+``sink_length`` first tokens in full precision; ``dense_bytes``: bytes per element of
 the model's dtype, which windows and dense layers hold), plus the key offset of centered keys,
 ``heads · Dk · 4 / context_tokens``; a dense layer holds ``heads · (Dk + Dv) · dense_bytes``. Bits per
 element divide by ``heads · (Dk + Dv)`` elements. A layer's key scales (``LayerPolicy.key_scale``) belong to
@@ -149,7 +149,7 @@ class LayerPolicy:
             return heads * (key_dim + value_dim) * dense_bytes
         codes = heads * (encoder_for(self.key_encoder, key_dim).code_size
                          + encoder_for(self.value_encoder, value_dim).code_size)
-        window = (self.residual_length + 1 + sink_length) * heads * (key_dim + value_dim) * dense_bytes
+        window = (self.residual_length + sink_length) * heads * (key_dim + value_dim) * dense_bytes
         offset = heads * key_dim * OFFSET_BYTES if center_keys else 0
         return codes + (window + offset) / context_tokens
 

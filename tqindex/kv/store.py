@@ -2,9 +2,10 @@
 
 A :class:`KVStore` holds one attention layer's keys and values, ``[B, H, T, dim]`` each. The newest
 tokens (the last ``residual_length`` of the previous steps plus the chunk of the current step) stay in
-full precision in the *window*; on the next :meth:`KVStore.append` the tokens that fell out of it are
-encoded once and appended to a :class:`CodesBuffer`, whose capacity doubles when full (amortized O(1)
-per token, no copy of the history per step). Keys and values have their own encoders.
+full precision in the *window*; the tokens that fall out of it are encoded once (by :meth:`KVStore.settle`
+once the step's attention has read them, or by the next :meth:`KVStore.append`) and appended to a
+:class:`CodesBuffer`, whose capacity grows by a quarter when full (amortized O(1) per token, no copy of
+the history per step, at most a fifth of the buffer unused). Keys and values have their own encoders.
 
 With ``sink_length`` s, the first s tokens of the sequence are never encoded: attention concentrates on
 them whatever they hold (the "attention sinks" of language models), so their error reaches every later
@@ -51,6 +52,10 @@ DENSE_BYTES_PER_ELEMENT = 2
 """Bytes per element of the reference dense cache (bfloat16), for :meth:`KVStore.nbytes_dense`."""
 MIN_CAPACITY = 256
 """Tokens a :class:`CodesBuffer` holds at least once it holds any."""
+GROWTH = 1.25
+"""Factor by which a full :class:`CodesBuffer` grows: appended tokens are copied about 1 / (GROWTH - 1) = 4
+times in reallocations (amortized O(1)), and at most a fifth of the buffer is unused capacity (doubling
+leaves up to half, which a long-context cache pays in GPU memory)."""
 _ALL = slice(None)
 
 # -- the encode operator ----------------------------------------------------------------------------
@@ -170,7 +175,7 @@ def in_order(window: Tensor, codes: Tensor, sink: int) -> Tensor:
 class CodesBuffer:
     """Codes [B, H, capacity] growing along the token axis (dim 2); the first ``length`` tokens are valid.
 
-    An append that would fill the buffer reallocates it to ``max(needed + 1, 2 * capacity,
+    An append that would fill the buffer reallocates it to ``max(needed + 1, GROWTH * capacity,
     MIN_CAPACITY)`` tokens, so T appended tokens cost O(log T) reallocations (counted in
     ``reallocations``), and the valid tokens never span the whole buffer: their memory layout, on which
     compiled code specializes, stays the same as the buffer fills. A ``torch.compile``-d decode step
@@ -212,7 +217,8 @@ class CodesBuffer:
         length = self.length
         needed = length + codes.shape[2]
         if needed >= self.capacity:
-            grown = self._data.empty_like(*self._data.shape[:2], max(needed + 1, 2 * self.capacity, MIN_CAPACITY))
+            capacity = max(needed + 1, int(GROWTH * self.capacity), MIN_CAPACITY)
+            grown = self._data.empty_like(*self._data.shape[:2], capacity)
             grown.copy_((_ALL, _ALL, slice(0, length)), self.view())
             self._data = grown
             self.reallocations += 1
@@ -238,9 +244,9 @@ class KVStore:
 
     ``residual_length``: tokens of previous steps kept in full precision (the current step's chunk is
     always in full precision too). ``append`` first encodes the window tokens beyond that into the
-    buffers, then adds the new chunk to the window; ``sink_length``: first tokens never encoded (module notes).
-    ``center_keys``: store keys minus
-    :attr:`key_offset`; ``key_scale``: [H, Dk], store keys divided by it (see the module docstring).
+    buffers (:meth:`settle`), then adds the new chunk to the window; ``sink_length``: first tokens never
+    encoded (module notes). ``center_keys``: store keys minus :attr:`key_offset`; ``key_scale``: [H, Dk], store
+    keys divided by it (see the module docstring).
     """
 
     def __init__(
@@ -379,17 +385,27 @@ class KVStore:
             self.values = CodesBuffer(empty_codes(self._value_id, (b, h, 0), value.device))
             self._key_window, self._value_window = key, value
             return
+        self.settle()
+        self._key_window = torch.cat([self._key_window, key], dim=2)
+        self._value_window = torch.cat([self._value_window, value], dim=2)
+
+    def settle(self) -> None:
+        """Encode the window's tokens beyond the sinks and the newest ``residual_length`` into the buffers
+        now (``append`` does it first otherwise). Views taken before keep what they hold: a cache layer takes
+        the step's view, then settles, so that between steps it holds no full-precision tokens beyond the
+        window (a prefill chunk's are encoded once its attention has read them)."""
+        if self.keys is None:
+            return
         sink = self.sink_held
         old = self.window_length - sink - self.residual_length
-        if old > 0:  # tokens that left the window (past the sinks): encode once, append to the buffers
-            leaving = slice(sink, sink + old)
-            self.keys.append(encode_tokens(self.key_encoder, self._held_keys(self._key_window[:, :, leaving]),
-                                           self._key_id))
-            self.values.append(encode_tokens(self.value_encoder, self._value_window[:, :, leaving], self._value_id))
-        rest = slice(sink + max(old, 0), None)
-        self._key_window = torch.cat([self._key_window[:, :, :sink], self._key_window[:, :, rest], key], dim=2)
-        self._value_window = torch.cat([self._value_window[:, :, :sink], self._value_window[:, :, rest], value],
-                                       dim=2)
+        if old <= 0:
+            return
+        leaving, rest = slice(sink, sink + old), slice(sink + old, None)  # sinks stay at the window's start
+        self.keys.append(encode_tokens(self.key_encoder, self._held_keys(self._key_window[:, :, leaving]),
+                                       self._key_id))
+        self.values.append(encode_tokens(self.value_encoder, self._value_window[:, :, leaving], self._value_id))
+        self._key_window = torch.cat([self._key_window[:, :, :sink], self._key_window[:, :, rest]], dim=2)
+        self._value_window = torch.cat([self._value_window[:, :, :sink], self._value_window[:, :, rest]], dim=2)
 
     def crop(self, length: int) -> None:
         """Keep the first ``length`` tokens (``0 <= length``; longer than held is a no-op)."""
