@@ -14,8 +14,12 @@ Every number comes from one run on one GPU:
   of DynamicCache against TQCache presets at 8k-64k context and batch 1-32, the cache filled by a real
   chunked prefill (4096 tokens a chunk; its time reported) where ``--prefill`` allows, else by writing
   random keys and values into every layer (decode timing does not depend on the values);
-- at a fixed KV budget (40 GiB by default): the tokens each cache holds (from its measured bytes per
-  token) and its decode throughput (tokens/s) at 32k context with the batch that fits.
+- at a fixed KV budget (40 GiB by default): the tokens each cache holds (from the bytes per token it
+  allocated in its last end-to-end row: codes with their spare capacity, windows, dense layers) and its
+  decode throughput (tokens/s) at 32k context with the batch that fits, and the bytes it allocated there.
+
+TQCache presets: window 128, the first and last 2 layers dense; ``-p0`` (e.g. ``tq4-p0``): no dense
+layers.
 
 Results: ``gpu_attention.json`` (rewritten after every measurement) and ``gpu_attention.md`` in ``--out``.
 
@@ -26,6 +30,7 @@ Results: ``gpu_attention.json`` (rewritten after every measurement) and ``gpu_at
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
@@ -139,7 +144,8 @@ def make_cache(kind: str, model: Any) -> Any:
         model.set_attn_implementation("sdpa")
         return DynamicCache(config=model.config)
     model.set_attn_implementation("tqindex")
-    return TQCache(model.config, *PRESETS[kind], residual_length=128, protected_layers=2)
+    preset, _, dense = kind.partition("-p")  # "tq4-p0": no dense layers
+    return TQCache(model.config, *PRESETS[preset], residual_length=128, protected_layers=int(dense or 2))
 
 
 def held_bytes(cache: Any) -> int:
@@ -229,10 +235,10 @@ def e2e_rows(results: _run.Results, device: torch.device, args: argparse.Namespa
             del cache
     budget = args.budget_gib * GiB
     context = 4096 if args.quick else 32768
-    per_token = {}  # each cache's bytes per token at its last measured configuration (a resumed run's too)
+    per_token = {}  # each cache's allocated bytes per token at its last measured configuration (resumed too)
     for key, row in results.data["e2e"].items():
         if not row.get("oom"):
-            per_token[key.split()[0]] = row["cache_GiB"] * GiB / (row["batch"] * row["context"])
+            per_token[key.split()[0]] = row["allocated_GiB"] * GiB / (row["batch"] * row["context"])
     for kind, bytes_per_token in per_token.items():
         key = f"{kind} budget"
         if key in results.data["budget"]:
@@ -245,7 +251,8 @@ def e2e_rows(results: _run.Results, device: torch.device, args: argparse.Namespa
             fill(model, cache, batch, context, False, device)
             step = decode_ms(model, cache, batch, device)
             row = {"tokens_held": tokens, "batch": batch, "context": context, "step_ms": step,
-                   "tokens_per_s": batch / step * 1e3, "cache_GiB": held_bytes(cache) / GiB}
+                   "tokens_per_s": batch / step * 1e3, "cache_GiB": held_bytes(cache) / GiB,
+                   "allocated_GiB": allocated_bytes(cache) / GiB}
         except torch.OutOfMemoryError:
             row = {"tokens_held": tokens, "batch": batch, "context": context, "oom": True}
         results.data["budget"][key] = row
@@ -287,10 +294,12 @@ def markdown(data: dict) -> str:
         lines.append("")
     if data["budget"]:
         lines += [f"## At a {data['args']['budget_gib']} GiB KV budget", "",
-                  "| cache | tokens held | batch x context | decode tokens/s |", "|---|--:|--:|--:|"]
+                  "| cache | tokens held | batch x context | decode tokens/s | allocated GiB |",
+                  "|---|--:|--:|--:|--:|"]
         for key, r in data["budget"].items():
             tps = "out of memory" if r.get("oom") else f"{r['tokens_per_s']:.0f}"
-            lines.append(f"| {key} | {r['tokens_held']} | {r['batch']} x {r['context']} | {tps} |")
+            held = f"{r['allocated_GiB']:.2f}" if "allocated_GiB" in r else ""
+            lines.append(f"| {key} | {r['tokens_held']} | {r['batch']} x {r['context']} | {tps} | {held} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -302,13 +311,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prefill", action="store_true", help="fill every end-to-end cache by a real prefill")
     p.add_argument("--budget-gib", type=float, default=40.0, help="the fixed KV budget (GiB)")
     p.add_argument("--sections", default="kernel,e2e")
-    p.add_argument("--caches", default="dynamic,tq4,k8v4,tq3",
+    p.add_argument("--caches", default="dynamic,tq4,tq4-p0,k8v4,tq3",
                    help="caches of the end-to-end rows (dynamic and TQCache presets: " + ", ".join(PRESETS) + ")")
     p.add_argument("--restart", action="store_true", help="measure afresh instead of continuing --out's run")
     args = p.parse_args(argv)
-    unknown = set(args.caches.split(",")) - {"dynamic", *PRESETS}
+    unknown = {c for c in args.caches.split(",") if c != "dynamic" and not re.fullmatch(
+        f"({'|'.join(PRESETS)})(-p[0-9]+)?", c)}
     if unknown:
-        p.error(f"unknown caches {', '.join(sorted(unknown))} (choose from dynamic, {', '.join(PRESETS)})")
+        p.error(f"unknown caches {', '.join(sorted(unknown))} (dynamic, or a preset {', '.join(PRESETS)} with an "
+                "optional -pN: N dense layers at each end)")
     if not torch.cuda.is_available():
         raise SystemExit("gpu_attention.py needs a CUDA GPU")
     device = torch.device("cuda")

@@ -1,5 +1,6 @@
 import gc
 import importlib
+import math
 import pickle
 import sys
 
@@ -8,7 +9,7 @@ import torch
 
 import tqindex as tq
 from tqindex.kv.store import (
-    DENSE_BYTES_PER_ELEMENT, CodesBuffer, KVStore, encode_tokens, encoder_from_key, encoder_key,
+    DENSE_BYTES_PER_ELEMENT, GROWTH, MIN_CAPACITY, CodesBuffer, KVStore, encode_tokens, encoder_from_key, encoder_key,
 )  # fmt: skip
 
 torch.set_num_threads(1)
@@ -65,14 +66,14 @@ def test_materialize_is_decoded_codes_then_window(keys, values):
     assert ck.shape == cv.shape == (B, H, k.shape[2], D)
 
 
-def test_amortized_appends_grow_capacity_by_a_quarter():
+def test_amortized_appends_grow_capacity_geometrically():
     store = _store(residual=0)
     steps = 900
     for t in range(steps):
         store.append(_tokens(1, t), _tokens(1, t))
     assert store.compressed_length == steps - 1
-    assert store.keys.length < store.keys.capacity <= 1.25 * store.keys.length + 1  # 256, 320, ..., 976
-    assert store.keys.reallocations == 7
+    assert store.keys.length < store.keys.capacity <= GROWTH * store.keys.length + 1
+    assert store.keys.reallocations == 1 + math.ceil(math.log(steps / MIN_CAPACITY) / math.log(GROWTH))
     assert store.values.reallocations == store.keys.reallocations
 
 
@@ -84,12 +85,15 @@ def test_codes_buffer_keeps_contents_across_growth():
     for t0 in range(0, 700, 7):
         buf.append(codes[:, :, t0 : t0 + 7])
         assert buf.length < buf.capacity  # a spare token: the valid view never spans the whole buffer
-    assert (buf.length, buf.reallocations, buf.capacity) == (700, 6, 781)  # 0, 256, 320, 400, 500, 625, 781
+    capacities = [0, MIN_CAPACITY]
+    while capacities[-1] <= 700:
+        capacities.append(int(GROWTH * capacities[-1]))
+    assert (buf.length, buf.reallocations, buf.capacity) == (700, len(capacities) - 1, capacities[-1])
     assert torch.equal(buf.view().qdata, codes.qdata) and torch.equal(buf.view().norm, codes.norm)
     wrapped = CodesBuffer(codes, 700)  # a full buffer of given codes
     assert wrapped.capacity == wrapped.length == 700
     wrapped.append(codes[:, :, :1])
-    assert wrapped.capacity == 875 and torch.equal(wrapped.view()[:, :, :700].qdata, codes.qdata)
+    assert wrapped.capacity == int(GROWTH * 700) and torch.equal(wrapped.view()[:, :, :700].qdata, codes.qdata)
     with pytest.raises(ValueError, match="length"):
         CodesBuffer(codes, 701)
 

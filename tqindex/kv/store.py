@@ -4,8 +4,8 @@ A :class:`KVStore` holds one attention layer's keys and values, ``[B, H, T, dim]
 tokens (the last ``residual_length`` of the previous steps plus the chunk of the current step) stay in
 full precision in the *window*; the tokens that fall out of it are encoded once (by :meth:`KVStore.settle`
 once the step's attention has read them, or by the next :meth:`KVStore.append`) and appended to a
-:class:`CodesBuffer`, whose capacity grows by a quarter when full (amortized O(1) per token, no copy of
-the history per step, at most a fifth of the buffer unused). Keys and values have their own encoders.
+:class:`CodesBuffer`, whose capacity grows by an eighth when full (amortized O(1) per token, no copy of
+the history per step, at most a ninth of the buffer unused). Keys and values have their own encoders.
 
 With ``sink_length`` s, the first s tokens of the sequence are never encoded: attention concentrates on
 them whatever they hold (the "attention sinks" of language models), so their error reaches every later
@@ -52,10 +52,11 @@ DENSE_BYTES_PER_ELEMENT = 2
 """Bytes per element of the reference dense cache (bfloat16), for :meth:`KVStore.nbytes_dense`."""
 MIN_CAPACITY = 256
 """Tokens a :class:`CodesBuffer` holds at least once it holds any."""
-GROWTH = 1.25
-"""Factor by which a full :class:`CodesBuffer` grows: appended tokens are copied about 1 / (GROWTH - 1) = 4
-times in reallocations (amortized O(1)), and at most a fifth of the buffer is unused capacity (doubling
-leaves up to half, which a long-context cache pays in GPU memory)."""
+GROWTH = 1.125
+"""Factor by which a full :class:`CodesBuffer` grows: appended tokens are copied about 1 / (GROWTH - 1) = 8
+times in reallocations (amortized O(1); a copy of codes costs far less than encoding them), and at most a
+ninth of the buffer is unused capacity (doubling leaves up to half, which a long-context cache pays in GPU
+memory)."""
 _ALL = slice(None)
 
 # -- the encode operator ----------------------------------------------------------------------------
