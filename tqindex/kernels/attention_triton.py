@@ -57,6 +57,9 @@ WINDOW_SPLIT = 1024
 """Window tokens per program (prefill chunks are long windows)."""
 MERGE_ROWS = 16
 """Query rows per program of the query and merge kernels (the least M of a tensor-core product)."""
+ONE_PASS_ROWS = 128
+"""Query rows per program of a one-pass call (prefill chunks) that has as many: each tile of codes decoded
+serves twice the rows of a split-K program's 64."""
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
@@ -470,6 +473,9 @@ def compressed_attention_triton(q: Tensor, keys: Any, values: Any, mask: Tensor 
         BLOCK_R=MERGE_ROWS, PRECISION=precision, num_warps=4)
     want = triton.cdiv(PROGRAMS_PER_SM * multiprocessors(device), bsz * hkv * row_blocks)
     fused = want == 1 if one_pass is None else one_pass
+    if fused and rows >= ONE_PASS_ROWS:
+        block_m = ONE_PASS_ROWS
+        row_blocks = triton.cdiv(rows, block_m)
     splits_c, per = 0, BLOCK_N
     if tc and not fused:
         per = triton.cdiv(triton.cdiv(tc, min(want, triton.cdiv(tc, MIN_SPLIT_TOKENS))), BLOCK_N) * BLOCK_N
