@@ -35,12 +35,15 @@ def _filled(store: KVStore, chunks: list[int]) -> tuple[torch.Tensor, torch.Tens
     return torch.cat(ks, 2), torch.cat(vs, 2)
 
 
+def _decoded_then_window(encoder: tq.Encoder, x: torch.Tensor, tc: int) -> torch.Tensor:
+    """The first ``tc`` tokens of x encoded and decoded, the others as given."""
+    return torch.cat([encoder.decode(encoder.encode(x[:, :, :tc])), x[:, :, tc:]], 2)
+
+
 def _expected(store: KVStore, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes of the oldest tokens decoded, the window as given."""
     tc = store.compressed_length
-    ek = torch.cat([store.key_encoder.decode(store.key_encoder.encode(k[:, :, :tc])), k[:, :, tc:]], 2)
-    ev = torch.cat([store.value_encoder.decode(store.value_encoder.encode(v[:, :, :tc])), v[:, :, tc:]], 2)
-    return ek, ev
+    return _decoded_then_window(store.key_encoder, k, tc), _decoded_then_window(store.value_encoder, v, tc)
 
 
 def test_window_keeps_residual_plus_current_chunk():
@@ -64,6 +67,28 @@ def test_materialize_is_decoded_codes_then_window(keys, values):
     torch.testing.assert_close(mv, ev)
     ck, cv = store.view()
     assert ck.shape == cv.shape == (B, H, k.shape[2], D)
+
+
+def test_settle_encodes_beyond_the_window_and_keeps_earlier_views():
+    store = _store(residual=3)
+    k, v = _filled(store, [6, 10])
+    keys, values = store.view()  # what the step's attention reads: the whole chunk in full precision
+    assert (keys.codes.shape[2], keys.window.shape[2]) == (3, 13)
+    store.settle()
+    assert (store.compressed_length, store.window_length) == (13, 3)
+    assert (keys.codes.shape[2], keys.window.shape[2]) == (3, 13)  # the view taken before is unchanged
+    torch.testing.assert_close(keys.materialize(torch.float32), _decoded_then_window(store.key_encoder, k, 3))
+    mk, mv = store.materialize()
+    ek, ev = _expected(store, k, v)
+    torch.testing.assert_close(mk, ek)
+    torch.testing.assert_close(mv, ev)
+    store.settle()  # nothing beyond the window: a no-op
+    assert (store.compressed_length, store.window_length) == (13, 3)
+    lazy = _store(residual=3)  # the next append encodes the same tokens whether settled or not
+    _filled(lazy, [6, 10, 2])
+    store.append(_tokens(2, 4), _tokens(2, 5))
+    assert torch.equal(store.keys.view().qdata, lazy.keys.view().qdata)
+    assert torch.equal(store.view()[0].window, lazy.view()[0].window)
 
 
 def test_amortized_appends_grow_capacity_geometrically():
