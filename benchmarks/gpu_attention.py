@@ -7,8 +7,8 @@ Every number comes from one run on one GPU:
 - kernel level (one decode step of one layer): batch {1, 8, 32} x context {4k, 16k, 64k, 128k} x heads
   (32 query / 8 KV heads, head_dim 128) and (9 / 3, head_dim 64): bf16 SDPA (flash backend, GQA),
   "dequantize the codes, then SDPA", and the kernel for tq4, tq3, k8v4 and fp4 codes; TB/s of the
-  bytes each reads (bf16 K/V, or codes with their scales)
-  against the roofline, and the kernel's error against float32 attention over the decoded codes;
+  bytes each reads (bf16 K/V, or codes with their scales) against the roofline, and the kernel's error
+  against float32 attention over the decoded codes;
 - end to end, a randomly initialized Llama-8B-shaped model (32 layers, bf16): decode step time (CUDA
   events, median of 16 steps after 4 warm-up steps, the cache cropped back after each) and peak memory
   of DynamicCache against TQCache presets at 8k-64k context and batch 1-32, the cache filled by a real
@@ -282,15 +282,15 @@ def markdown(data: dict) -> str:
         lines.append("")
     if data["e2e"]:
         lines += ["## End to end: Llama-8B shape, one decode step", "",
-                  "| cache, context, batch | step ms | tokens/s | peak GiB | cache GiB | filled by |",
-                  "|---|--:|--:|--:|--:|---|"]
+                  "| cache, context, batch | step ms | tokens/s | peak GiB | cache GiB | allocated GiB | filled by |",
+                  "|---|--:|--:|--:|--:|--:|---|"]
         for key, r in data["e2e"].items():
             if r.get("oom"):
-                lines.append(f"| {key} | out of memory | | | | |")
+                lines.append(f"| {key} | out of memory | | | | | |")
             else:
                 how = f"prefill ({r['prefill_s']:.1f} s)" if r["prefill"] else "random K/V"
                 lines.append(f"| {key} | {r['step_ms']:.2f} | {r['tokens_per_s']:.0f} | {r['peak_GiB']:.1f} | "
-                             f"{r['cache_GiB']:.2f} | {how} |")
+                             f"{r['cache_GiB']:.2f} | {r['allocated_GiB']:.2f} | {how} |")
         lines.append("")
     if data["budget"]:
         lines += [f"## At a {data['args']['budget_gib']} GiB KV budget", "",
@@ -312,7 +312,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--budget-gib", type=float, default=40.0, help="the fixed KV budget (GiB)")
     p.add_argument("--sections", default="kernel,e2e")
     p.add_argument("--caches", default="dynamic,tq4,tq4-p0,k8v4,tq3",
-                   help="caches of the end-to-end rows (dynamic and TQCache presets: " + ", ".join(PRESETS) + ")")
+                   help="caches of the end-to-end rows: dynamic, or a TQCache preset (" + ", ".join(PRESETS)
+                   + ") with an optional -pN (N dense layers at each end; default 2)")
     p.add_argument("--restart", action="store_true", help="measure afresh instead of continuing --out's run")
     args = p.parse_args(argv)
     unknown = {c for c in args.caches.split(",") if c != "dynamic" and not re.fullmatch(

@@ -316,9 +316,9 @@ def _attention_kernel(
     KR: tl.constexpr, VR: tl.constexpr, KFP4: tl.constexpr, VFP4: tl.constexpr, KG: tl.constexpr, KGP: tl.constexpr,
     VG: tl.constexpr, VGP: tl.constexpr, PWK: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     MASK_KIND: tl.constexpr, SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr, DECODE: tl.constexpr,
-    FUSED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ONE_PASS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Program (batch row x KV head ``bh``, row block, split). FUSED (one split): the attention of its query
+    """Program (batch row x KV head ``bh``, row block, split). ONE_PASS (one split): the attention of its query
     rows over every token, the compressed part's sum rotated back by MV float32 [DP, DP] (the value rotation's
     inverse, zero padded) before the window's is added, written to RES [B, Q, Hq, D]. Else the partial
     softmax over the split's tokens (splits < splits_c: compressed tokens; the others: window tokens), written
@@ -335,15 +335,15 @@ def _attention_kernel(
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, DP), tl.float32)
-    if FUSED or sp < splits_c:
-        t_lo = 0 if FUSED else sp * tokens_per_split
-        t_hi = tc if FUSED else tl.minimum(t_lo + tokens_per_split, tc)
+    if ONE_PASS or sp < splits_c:
+        t_lo = 0 if ONE_PASS else sp * tokens_per_split
+        t_hi = tc if ONE_PASS else tl.minimum(t_lo + tokens_per_split, tc)
         acc, m_i, l_i = _compressed_tiles(
             acc, m_i, l_i, t_lo, t_hi, QP, QSC, KC, KN, VC, VN, bh64, r, rmask, mask_rows, rows, kbytes, vbytes,
             kc_stride, vc_stride, kn_stride, vn_stride, mask_st, scaling, softcap, KMAG, VMAG, KT0, KT1, KT2, KT3,
             VT0, VT1, VT2, VT3, KR, VR, KFP4, VFP4, KG, KGP, VG, VGP, PWK, DP, MASK_KIND, SOFTCAP, DECODE,
             BLOCK_M, BLOCK_N)
-    if FUSED:
+    if ONE_PASS:
         d = tl.arange(0, DP)
         acc = tl.dot(acc, tl.load(MV + d[:, None] * DP + d[None, :]), input_precision=PRECISION)
         t_hi = tw
@@ -447,12 +447,12 @@ def mask_layout(mask: Tensor | None, b: int, nq: int, total: int) -> tuple[Tenso
 def compressed_attention_triton(q: Tensor, keys: Any, values: Any, mask: Tensor | None, scaling: float,
                                 softcap: float | None = None, causal: bool = True, decode: int | None = None,
                                 one_pass: bool | None = None) -> Tensor:
-    """:func:`tqindex.kv.attention.compressed_attention` by three kernels (module notes): the queries' rotation
-    into planar order, the split-K attention, the merge. q [B, Hq, Q, D] (any strides); keys / values
-    CompressedTokens [B, Hkv, T, D] whose codes the kernels read (``attention_reads``); mask None (then causal
-    over the window) or [B|1, 1, Q, T] (:func:`mask_layout`). Returns [B, Hq, Q, D] in q's dtype, a view of a
-    [B, Q, Hq, D] tensor (the layout attention layers pass on). ``one_pass``: each program takes all tokens of
-    its rows (module notes; default: where the row blocks alone fill the card)."""
+    """:func:`tqindex.kv.attention.compressed_attention` by the kernels of the module notes: the queries'
+    rotation into planar order, then the split-K attention and its merge, or one pass. q [B, Hq, Q, D] (any
+    strides); keys / values CompressedTokens [B, Hkv, T, D] whose codes the kernels read (``attention_reads``);
+    mask None (then causal over the window) or [B|1, 1, Q, T] (:func:`mask_layout`). Returns [B, Hq, Q, D] in
+    q's dtype, a view of a [B, Q, Hq, D] tensor (the layout attention layers pass on). ``one_pass``: each
+    program takes all tokens of its rows (module notes; default: where the row blocks alone fill the card)."""
     bsz, hq, nq, dim = q.shape
     hkv, tc, tw = keys.shape[1], keys.codes.shape[2], keys.window.shape[2]
     rows, device = (hq // hkv) * nq, q.device
@@ -472,19 +472,19 @@ def compressed_attention_triton(q: Tensor, keys: Any, values: Any, mask: Tensor 
         q, mq, qp, qsc, hkv, rows, nq, q.stride(0), q.stride(1), q.stride(2), D=dim, DP=dp, PW=pw, PWP=mq.shape[1],
         BLOCK_R=MERGE_ROWS, PRECISION=precision, num_warps=4)
     want = triton.cdiv(PROGRAMS_PER_SM * multiprocessors(device), bsz * hkv * row_blocks)
-    fused = want == 1 if one_pass is None else one_pass
-    if fused and rows >= ONE_PASS_ROWS:
+    one_pass = want == 1 if one_pass is None else one_pass
+    if one_pass and rows >= ONE_PASS_ROWS:
         block_m = ONE_PASS_ROWS
         row_blocks = triton.cdiv(rows, block_m)
     splits_c, per = 0, BLOCK_N
-    if tc and not fused:
+    if tc and not one_pass:
         per = triton.cdiv(triton.cdiv(tc, min(want, triton.cdiv(tc, MIN_SPLIT_TOKENS))), BLOCK_N) * BLOCK_N
         splits_c = triton.cdiv(tc, per)
-    splits = 1 if fused else splits_c + (triton.cdiv(tw, WINDOW_SPLIT) if tw else 0)
+    splits = 1 if one_pass else splits_c + (triton.cdiv(tw, WINDOW_SPLIT) if tw else 0)
     res = torch.empty(bsz, nq, hq, dim, device=device, dtype=q.dtype)
-    out = res if fused else torch.empty(bsz * hkv, splits, rows, dp, device=device)
-    m = qsc if fused else torch.empty(bsz * hkv, splits, rows, device=device)  # (fused: unused pointers)
-    l_ = m if fused else torch.empty_like(m)
+    out = res if one_pass else torch.empty(bsz * hkv, splits, rows, dp, device=device)
+    m = qsc if one_pass else torch.empty(bsz * hkv, splits, rows, device=device)  # (one pass: unused pointers)
+    l_ = m if one_pass else torch.empty_like(m)
     kq, vq = keys.codes.qdata, values.codes.qdata  # [B, Hkv, capacity, bytes], batch-major
     kfp4, vfp4 = keys.codes.norm is None, values.codes.norm is None  # FP4: group exponents instead of norms
     kn = keys.codes.scale if kfp4 else keys.codes.norm
@@ -500,9 +500,9 @@ def compressed_attention_triton(q: Tensor, keys: Any, values: Any, mask: Tensor 
         per, scaling, softcap or 1.0, kmag, vmag, *kt, *vt,
         KR=kr, VR=vr, KFP4=kfp4, VFP4=vfp4, KG=kg, KGP=next_power_of_2(kg), VG=vg, VGP=next_power_of_2(vg), PWK=pw,
         D=dim, DP=dp, MASK_KIND=mask_kind, SOFTCAP=softcap is not None, CAUSAL=causal and mask is None,
-        DECODE=dec, FUSED=fused, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        DECODE=dec, ONE_PASS=one_pass, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
         num_warps=8 if block_m > 16 or kr[0] == 8 else DECODE_WARPS, num_stages=NUM_STAGES)
-    if not fused:
+    if not one_pass:
         _merge_kernel[(bsz * hkv, triton.cdiv(rows, MERGE_ROWS))](
             out, m, l_, mv, res, hkv, hq, rows, nq, splits, splits_c, D=dim, DP=dp, BLOCK_R=MERGE_ROWS,
             PRECISION=precision, num_warps=4)
