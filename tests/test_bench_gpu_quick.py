@@ -21,3 +21,16 @@ def test_gpu_benchmark_quick(tmp_path, script, name):
     assert run.returncode == 0, run.stderr[-2000:]
     data = json.loads((tmp_path / f"{name}.json").read_text())
     assert data["complete"] and data["roofline"]["read_TBps"] > 0
+
+
+@pytest.mark.parametrize("stem", ["gpu_attention_kernels_h200", "gpu_attention_e2e_h200"])
+def test_attention_results_pages_are_their_json_rendered(monkeypatch, stem):
+    """The committed pages show exactly what their JSON holds, each with the sections that run measured."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_attention
+
+    results = ROOT / "benchmarks" / "results"
+    data = json.loads((results / f"{stem}.json").read_text())
+    page = gpu_attention.markdown(data)
+    assert page == (results / f"{stem}.md").read_text()
+    assert ("## Kernel level" in page) == bool(data["kernel"]) and ("## End to end" in page) == bool(data["e2e"])
