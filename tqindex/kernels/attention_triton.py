@@ -298,6 +298,14 @@ def _window_tiles(acc, m_i, l_i, t_lo, t_hi, Q, KW, VW, b, bh, hkv, bh64, r, rma
 
 
 @triton.jit
+def _rotated_back(acc, MV, DP: tl.constexpr, PRECISION: tl.constexpr):
+    """Sums acc [rows, DP] in the value encoder's rotated domain, rotated back: acc MV (MV float32 [DP, DP],
+    the rotation's inverse, zero padded; float32 accuracy)."""
+    d = tl.arange(0, DP)
+    return tl.dot(acc, tl.load(MV + d[:, None] * DP + d[None, :]), input_precision=PRECISION)
+
+
+@triton.jit
 def _store_result(acc, total, RES, bh, r, ok, hkv, hq, rows, nq, D: tl.constexpr, DP: tl.constexpr):
     """acc / total (0 for rows that see no key) in RES's dtype to RES [B, Q, Hq, D] (rows ``r`` of ``bh``)."""
     d = tl.arange(0, DP)
@@ -344,8 +352,7 @@ def _attention_kernel(
             VT0, VT1, VT2, VT3, KR, VR, KFP4, VFP4, KG, KGP, VG, VGP, PWK, DP, MASK_KIND, SOFTCAP, DECODE,
             BLOCK_M, BLOCK_N)
     if ONE_PASS:
-        d = tl.arange(0, DP)
-        acc = tl.dot(acc, tl.load(MV + d[:, None] * DP + d[None, :]), input_precision=PRECISION)
+        acc = _rotated_back(acc, MV, DP, PRECISION)
         t_hi = tw
         if CAUSAL:  # the window tokens after the block's last query position are masked for all its rows
             t_hi = tl.minimum(tw, tw - nq + tl.max(tl.where(rmask, r % nq, 0)) + 1)
@@ -392,7 +399,6 @@ def _merge_kernel(OUT, M, L, MV, RES, hkv, hq, rows, nq, splits, splits_c, D: tl
     for sp in range(splits):
         top = tl.maximum(top, tl.load(M + base + sp * rows, mask=ok, other=float("-inf")))
     shift = tl.where(top > float("-inf"), top, 0.0)
-    d = tl.arange(0, DP)
     total = tl.zeros((BLOCK_R,), tl.float32)
     acc_c = tl.zeros((BLOCK_R, DP), tl.float32)
     acc_w = tl.zeros((BLOCK_R, DP), tl.float32)
@@ -400,7 +406,7 @@ def _merge_kernel(OUT, M, L, MV, RES, hkv, hq, rows, nq, splits, splits_c, D: tl
         acc_c, total = _merge_split(acc_c, total, OUT, M, L, base + sp * rows, ok, shift, DP)
     for sp in range(splits_c, splits):  # the window's
         acc_w, total = _merge_split(acc_w, total, OUT, M, L, base + sp * rows, ok, shift, DP)
-    acc = tl.dot(acc_c, tl.load(MV + d[:, None] * DP + d[None, :]), input_precision=PRECISION) + acc_w
+    acc = _rotated_back(acc_c, MV, DP, PRECISION) + acc_w
     _store_result(acc, total, RES, bh, r, ok, hkv, hq, rows, nq, D, DP)
 
 

@@ -152,8 +152,9 @@ def policy_for_budget(sensitivity: Sensitivity, budget_bits: float, *, allow_den
     check_int(context_tokens, "context_tokens", 1)
     check_int(sink_length, "sink_length", 0)
     s = sensitivity
-    options = [LayerPolicy(k, v) for k in s.key_kl for v in s.value_kl] + ([LayerPolicy(dense=True)] if allow_dense
-                                                                          else [])
+    options = [LayerPolicy(k, v) for k in s.key_kl for v in s.value_kl]
+    if allow_dense:
+        options.append(LayerPolicy(dense=True))
     per_token = [o.bytes_per_token(s.heads, s.key_dim, s.value_dim, context_tokens, s.dense_bytes, s.center_keys,
                                    sink_length)
                  for o in options]
