@@ -33,7 +33,9 @@ with ``-ks``;
 ``bits`` bits per element at ``--tokens`` tokens of context, with ``TQCache``'s default sink tokens
 (``policy-b{bits}-ks``: measured and kept with key scales), calibrated on a third text
 (:data:`_lm.CALIBRATION_TOPICS`, disjoint from both). tqindex runs use the ``"tqindex"`` attention
-implementation (attention computed from the codes).
+implementation (attention computed from the codes) and encode each token as it leaves the window
+(``encode_stride=1``): a window holds exactly its ``residual_length`` tokens of earlier steps (``TQCache``'s
+default stride would let it hold up to 15 more).
 
 Usage::
 
@@ -80,6 +82,7 @@ ANSWER_PREFIX = "The secret passcode is"
 NEEDLE_MAX_NEW_TOKENS = 24  # the tokenizer splits numbers into single digits
 
 TQ_PRESETS = ("tq2", "tq3", "tq4", "k8v4", "k3v4", "fp4")
+ENCODE_STRIDE = 1  # every tqindex cache encodes each token as it leaves its window (module notes)
 NEEDLE_BITS = 2.75  # the needle must be found by every configuration of at least this many bits per element
 DEFAULT_CONFIGS = (
     "dynamic", "fp8", "quanto-int4-r128",
@@ -141,8 +144,9 @@ def cache_spec(name: str) -> CacheSpec:
         def make_policy(cfg: Any) -> Any:
             if measured not in CALIBRATION:
                 raise RuntimeError("policy configurations need the sensitivity measured by main()")
-            return TQCache(cfg, policy=policy_for_budget(CALIBRATION[measured], bits,
-                                                         context_tokens=CALIBRATION["context_tokens"]))
+            return TQCache(cfg, policy=policy_for_budget(CALIBRATION[measured], bits, encode_stride=ENCODE_STRIDE,
+                                                         context_tokens=CALIBRATION["context_tokens"]),
+                           encode_stride=ENCODE_STRIDE)
 
         return CacheSpec(name, "tqindex", f"TQCache with a per-layer policy calibrated for <= {bits:g} bits "
                          f"per element, the first {SINK_LENGTH} tokens never encoded"
@@ -171,11 +175,13 @@ def cache_spec(name: str) -> CacheSpec:
         def make(cfg: Any) -> Any:
             if not scaled:
                 return TQCache(cfg, key_encoder=kenc, value_encoder=venc, residual_length=res,
-                               protected_layers=prot, center_keys=center, sink_length=sink)
+                               protected_layers=prot, center_keys=center, sink_length=sink,
+                               encode_stride=ENCODE_STRIDE)
             if "key_scales" not in CALIBRATION:
                 raise RuntimeError("-ks configurations need the key scales measured by main()")
             policy = KVPolicy.uniform(len(DynamicCache(config=cfg).layers), kenc, venc, res, prot, center)
-            return TQCache(cfg, policy=policy.with_key_scales(CALIBRATION["key_scales"]), sink_length=sink)
+            return TQCache(cfg, policy=policy.with_key_scales(CALIBRATION["key_scales"]), sink_length=sink,
+                           encode_stride=ENCODE_STRIDE)
 
         kv = {"tq2": "tq2 keys + values", "tq3": "tq3 keys + values", "tq4": "tq4 keys + values",
               "k8v4": "tq8 keys, tq4 values", "k3v4": "tq3 keys, tq4 values",
@@ -566,7 +572,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 CALIBRATION[measured] = measure_sensitivity(model, ids, prefix=ids.shape[1] - 64, scored=64,
                                                             key_scales=CALIBRATION["key_scales"] if scaled else None)
         policies = {spec.name: policy_for_budget(CALIBRATION["sensitivity-ks" if spec.key_scales else "sensitivity"],
-                                                 spec.budget_bits, context_tokens=args.tokens)
+                                                 spec.budget_bits, context_tokens=args.tokens,
+                                                 encode_stride=ENCODE_STRIDE)
                     for spec in specs if spec.budget_bits is not None}
         calibration = {"text": _lm.text_info(text, _lm.CALIBRATION_TOPICS), "tokens": ids.shape[1],
                        "context_tokens": args.tokens, "time_s": time.perf_counter() - t1,

@@ -68,7 +68,7 @@ def test_compressed_attention_logits_equal_decode_then_sdpa(llama, encoders, res
     Identical contents matter: two independent runs can drift apart, as float-rounding differences between
     the attention paths flip quantization decisions of the keys/values written later."""
     tokens = prompt(length=30, seed=2)
-    cache = TQCache(llama.config, *encoders, residual_length=residual, protected_layers=0)
+    cache = TQCache(llama.config, *encoders, residual_length=residual, protected_layers=0, encode_stride=1)
     chunks = [(0, 8)] + [(t, t + 1) for t in range(8, 20)] + [(20, 24), (24, 25), (25, 30)]
     for t0, t1 in chunks:
         logits = {}
@@ -252,6 +252,8 @@ def test_presets_and_validation(llama):
         TQCache({"num_hidden_layers": 4})
     with pytest.raises(ValueError, match="residual_length"):
         TQCache(llama.config, residual_length=-1)
+    with pytest.raises(ValueError, match="encode_stride"):
+        TQCache(llama.config, encode_stride=0)
     with pytest.raises(TypeError, match="offloading"):
         TQCache(llama.config, offloading=1)
     with pytest.raises(TypeError, match=r"ddp_cache_data\[0\]"):

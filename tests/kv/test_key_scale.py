@@ -119,7 +119,7 @@ def test_calibration_with_key_scales_keeps_them_in_the_policy():
     model = seeded(transformers_llama(), llama_config(num_hidden_layers=3))
     ids = prompt(length=56, seed=5)
     policy = calibrate(model, ids, 3.6, bits=(2, 4), prefix=40, scored=16, allow_dense=False,
-                       context_tokens=512, scale_keys=True)
+                       context_tokens=2048, scale_keys=True)
     scales = key_scales(model, ids)
     assert policy.calibration["sensitivity"]["key_scales"] == [s.tolist() for s in scales]
     assert all(layer.key_scale == tuple(map(tuple, s.tolist())) for layer, s in zip(policy.layers, scales))

@@ -11,7 +11,7 @@ import tqindex as tq
 from tqindex.kv import KVPolicy, KVStore, LayerPolicy, TQCache, calibrate, measure_sensitivity, policy_for_budget
 from tqindex.kv.attention import compressed_attention, dense_attention
 from tqindex.kv.hf import TQLayer
-from tqindex.kv.policy import choose
+from tqindex.kv.policy import ENCODE_STRIDE, choose
 
 from tiny import CACHE_KW, llama_config, prompt, seeded
 
@@ -139,14 +139,16 @@ def test_policy_bits_match_the_bytes_a_cache_holds():
     policy = KVPolicy([LayerPolicy(dense=True), LayerPolicy("tq4", "tq2", 3), LayerPolicy("tq3", "tq8"),
                        LayerPolicy("tq2", "tq2", 1)])
     cache = TQCache(config, policy=policy)
-    ids = prompt(length=40)
+    stride = cache.encode_stride
+    ids = prompt(length=30 + stride - 1)
     with torch.no_grad():
-        model(input_ids=ids[:, :30], **{CACHE_KW: cache})
-        for i in range(30, 40):  # decode steps: the window holds residual_length tokens between them
+        model(input_ids=ids[:, :30], **{CACHE_KW: cache})  # the window keeps residual_length tokens of these
+        for i in range(30, ids.shape[1]):  # decode steps: the window fills up to residual_length + stride - 1
             model(input_ids=ids[:, i:i + 1], **{CACHE_KW: cache})
-    elements = 40 * 4 * 2 * (32 + 32)  # tokens x layers x KV heads x (Dk + Dv)
+    assert [layer.store.window_length for layer in cache.layers[1:]] == [r + stride - 1 + 4 for r in (3, 0, 1)]
+    elements = ids.shape[1] * 4 * 2 * (32 + 32)  # tokens x layers x KV heads x (Dk + Dv)
     held = 8 * cache.nbytes() / elements
-    predicted = policy.bits_per_element(2, 32, 32, 40, 4, cache.sink_length)  # float32 model
+    predicted = policy.bits_per_element(2, 32, 32, ids.shape[1], 4, cache.sink_length, stride)  # float32 model
     codes_in_window = sum(8 * layer.store.window_length * 2 * (layer.store.key_encoder.code_size
                                                                + layer.store.value_encoder.code_size)
                           for layer in cache.layers if isinstance(layer, TQLayer)) / elements
@@ -167,16 +169,17 @@ def test_calibration_spends_the_budget_where_it_matters():
     assert sum(sens.key_kl["tq4-unbiased"]) < sum(sens.key_kl["tq2-unbiased"])  # 4-bit keys disturb less
     assert sum(sens.value_kl["tq4"]) < sum(sens.value_kl["tq2"])
     for budget in (3.0, 3.6, 4.8):  # tq2 / tq4 keys and values: 2.5 / 4.5 bits at head dim 32
-        policy = policy_for_budget(sens, budget, allow_dense=False, context_tokens=512)
+        policy = policy_for_budget(sens, budget, allow_dense=False, context_tokens=2048)
         assert policy.calibration["bits"] <= budget
         assert all(not layer.dense and layer.key_encoder.endswith("-unbiased") for layer in policy.layers)
-    no_sinks = policy.bits_per_element(sens.heads, sens.key_dim, sens.value_dim, 512, sens.dense_bytes)
-    assert policy.calibration["bits"] - no_sinks == pytest.approx(8 * 4 * sens.dense_bytes / 512)  # 4 sinks counted
-    roomy = policy_for_budget(sens, 40.0, context_tokens=512)  # float32 full precision fits: zero loss
+    no_sinks = policy.bits_per_element(sens.heads, sens.key_dim, sens.value_dim, 2048, sens.dense_bytes)
+    window = 4 + ENCODE_STRIDE - 1  # the sinks and the tokens waiting for the next encode
+    assert policy.calibration["bits"] - no_sinks == pytest.approx(8 * window * sens.dense_bytes / 2048)
+    roomy = policy_for_budget(sens, 40.0, context_tokens=2048)  # float32 full precision fits: zero loss
     assert all(layer.dense for layer in roomy.layers) and roomy.calibration["predicted_kl"] == 0.0
     with pytest.raises(ValueError, match="below the cheapest"):
         policy_for_budget(sens, 1.0)
-    one_call = calibrate(model, ids, 3.5, bits=(2, 4), prefix=40, scored=16, allow_dense=False, context_tokens=512)
-    assert one_call.layers == policy_for_budget(sens, 3.5, allow_dense=False, context_tokens=512).layers
+    one_call = calibrate(model, ids, 3.5, bits=(2, 4), prefix=40, scored=16, allow_dense=False, context_tokens=2048)
+    assert one_call.layers == policy_for_budget(sens, 3.5, allow_dense=False, context_tokens=2048).layers
     with pytest.raises(ValueError, match="prefix \\+ scored"):
         measure_sensitivity(model, ids[:, :20], prefix=40, scored=16)

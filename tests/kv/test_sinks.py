@@ -97,14 +97,16 @@ def test_bad_sink_length():
             TQCache(None, sink_length=bad)
 
 
-@pytest.mark.parametrize("residual", [0, 3])
-def test_cache_with_sinks_attends_from_codes_as_decoded_sdpa(llama, residual):
+@pytest.mark.parametrize("residual,stride", [(0, 1), (3, 1), (3, 4)])
+def test_cache_with_sinks_attends_from_codes_as_decoded_sdpa(llama, residual, stride):
     """Logits of the "tqindex" attention (codes, stored order) equal decoded keys/values with sdpa (sequence
-    order) on identical cache contents, through a prefill, decode steps and chunks, for a left-padded batch."""
+    order) on identical cache contents, through a prefill, decode steps and chunks, for a left-padded batch;
+    the window keeps its sinks and residual_length to residual_length + encode_stride - 1 tokens."""
     ids = prompt(batch=2, length=30, seed=2)
     ids[0, :3] = 0
     mask = (ids != 0).long()
-    cache = TQCache(llama.config, "tq4", "tq3", residual_length=residual, protected_layers=0, sink_length=4)
+    cache = TQCache(llama.config, "tq4", "tq3", residual_length=residual, protected_layers=0, sink_length=4,
+                    encode_stride=stride)
     for t0, t1 in [(0, 8)] + [(t, t + 1) for t in range(8, 20)] + [(20, 24), (24, 25), (25, 30)]:
         logits = {}
         for impl, c in (("sdpa", copy.deepcopy(cache)), (ATTN_IMPLEMENTATION, cache)):
@@ -114,10 +116,11 @@ def test_cache_with_sinks_attends_from_codes_as_decoded_sdpa(llama, residual):
                                      **{CACHE_KW: c}).logits
         torch.testing.assert_close(logits[ATTN_IMPLEMENTATION], logits["sdpa"], rtol=1e-5, atol=1e-5)
     store = cache.layers[0].store
-    assert store.sink_held == 4 and store.compressed_length == 30 - 4 - residual  # the last chunk encoded
+    assert store.sink_held == 4 and residual <= store.window_length - 4 < residual + stride
+    assert store.compressed_length + store.window_length == 30
     flat, spec = torch.utils._pytree.tree_flatten(cache)
     again = torch.utils._pytree.tree_unflatten(flat, spec)
-    assert again.layers[0].store.sink_length == 4
+    assert (again.layers[0].store.sink_length, again.layers[0].store.encode_stride) == (4, stride)
     assert torch.equal(again.layers[0].store.materialize_keys(), store.materialize_keys())
     cache.layers[0].reset()
-    assert cache.layers[0].store.sink_length == 4
+    assert (cache.layers[0].store.sink_length, cache.layers[0].store.encode_stride) == (4, stride)

@@ -91,6 +91,34 @@ def test_settle_encodes_beyond_the_window_and_keeps_earlier_views():
     assert torch.equal(store.view()[0].window, lazy.view()[0].window)
 
 
+
+@pytest.mark.parametrize("stride", [2, 5])
+def test_encode_stride_encodes_several_tokens_at_once_with_the_same_codes(stride):
+    """With ``encode_stride`` n, one-token steps leave residual_length to residual_length + n - 1 tokens in the
+    window and encode n tokens every n steps; every token is encoded as a stride-1 store encodes it."""
+    one = KVStore(tq.make_encoder("tq4", D), tq.make_encoder("tq3", D), 3)
+    store = KVStore(one.key_encoder, one.value_encoder, 3, encode_stride=stride)
+    k, v = _tokens(6, 0), _tokens(6, 1)
+    encodes = 0
+    for s in (one, store):
+        s.append(k, v)
+        s.settle()
+    for t in range(4 * stride):
+        before = store.compressed_length
+        for s in (one, store):
+            s.append(_tokens(1, 10 + t), _tokens(1, 50 + t))
+            s.settle()
+        assert 3 <= store.window_length <= 3 + stride - 1
+        encodes += store.compressed_length != before
+        tc = store.compressed_length
+        assert torch.equal(store.keys.view().qdata, one.keys.view().qdata[:, :, :tc])
+        assert torch.equal(store.values.view().norm, one.values.view().norm[:, :, :tc])
+        assert torch.equal(store.view()[0].window[:, :, one.compressed_length - tc:], one.view()[0].window)
+    assert encodes == 4
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ValueError, match="encode_stride"):
+            KVStore(one.key_encoder, one.value_encoder, 3, encode_stride=bad)
+
 def test_amortized_appends_grow_capacity_geometrically():
     store = _store(residual=0)
     steps = 900

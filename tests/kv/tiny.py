@@ -40,9 +40,10 @@ def prompt(batch: int = 1, length: int = 12, seed: int = 1) -> torch.Tensor:
 
 
 def tq8(model_or_config, **kw) -> TQCache:
-    """Near-lossless TQCache: 8-bit keys and values, a 4-token window, one protected layer at each end."""
+    """Near-lossless TQCache: 8-bit keys and values, a 4-token window (each token encoded as it leaves it), one
+    protected layer at each end."""
     config = getattr(model_or_config, "config", model_or_config)
-    return TQCache(config, "tq8", "tq8", **{"residual_length": 4, "protected_layers": 1, **kw})
+    return TQCache(config, "tq8", "tq8", **{"residual_length": 4, "protected_layers": 1, "encode_stride": 1, **kw})
 
 
 def make_cache(kind: str, model_or_config=None, **kw) -> DynamicCache:

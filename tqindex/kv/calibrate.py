@@ -38,7 +38,7 @@ from transformers import DynamicCache
 
 from ..checks import check_bool, check_int
 from ..turboquant import MSE_BITS
-from .policy import SINK_LENGTH, KVPolicy, LayerPolicy, choose
+from .policy import ENCODE_STRIDE, SINK_LENGTH, KVPolicy, LayerPolicy, choose
 
 NEAR_EXACT = "tq8"
 """The encoder of the side (keys or values) not under measurement."""
@@ -141,22 +141,24 @@ def measure_sensitivity(
 
 
 def policy_for_budget(sensitivity: Sensitivity, budget_bits: float, *, allow_dense: bool = True,
-                      context_tokens: int = 2048, sink_length: int = SINK_LENGTH) -> KVPolicy:
+                      context_tokens: int = 2048, sink_length: int = SINK_LENGTH,
+                      encode_stride: int = ENCODE_STRIDE) -> KVPolicy:
     """The policy of least predicted loss (summed KL) whose layers store at most ``budget_bits`` bits per
     key/value element on average, side data and full-precision layers included, at a context of
-    ``context_tokens`` tokens in a cache that keeps its first ``sink_length`` tokens in full precision
-    (``TQCache``'s default; :meth:`KVPolicy.bits_per_element`). Options per layer: every pair of the
+    ``context_tokens`` tokens in a cache that keeps its first ``sink_length`` tokens in full precision and
+    encodes ``encode_stride`` tokens at a time (``TQCache``'s defaults; :meth:`KVPolicy.bits_per_element`). Options per layer: every pair of the
     measured key encoders with every measured value encoder, and full precision if ``allow_dense``. The
     policy's ``calibration`` records the budget, the bits reached, the predicted KL and the measurement.
     ValueError when the budget is below the cheapest choice."""
     check_int(context_tokens, "context_tokens", 1)
     check_int(sink_length, "sink_length", 0)
+    check_int(encode_stride, "encode_stride", 1)
     s = sensitivity
     options = [LayerPolicy(k, v) for k in s.key_kl for v in s.value_kl]
     if allow_dense:
         options.append(LayerPolicy(dense=True))
     per_token = [o.bytes_per_token(s.heads, s.key_dim, s.value_dim, context_tokens, s.dense_bytes, s.center_keys,
-                                   sink_length)
+                                   sink_length, encode_stride)
                  for o in options]
     losses = [[0.0 if o.dense else s.key_kl[o.key_encoder][i] + s.value_kl[o.value_encoder][i] for o in options]
               for i in range(s.layers)]
@@ -168,7 +170,9 @@ def policy_for_budget(sensitivity: Sensitivity, budget_bits: float, *, allow_den
     policy.calibration = {
         "method": "per-layer KL divergence, keys and values measured apart (tqindex.kv.calibrate)",
         "budget_bits": budget_bits, "context_tokens": context_tokens, "sink_length": sink_length,
-        "bits": policy.bits_per_element(s.heads, s.key_dim, s.value_dim, context_tokens, s.dense_bytes, sink_length),
+        "encode_stride": encode_stride,
+        "bits": policy.bits_per_element(s.heads, s.key_dim, s.value_dim, context_tokens, s.dense_bytes, sink_length,
+                                        encode_stride),
         "predicted_kl": sum(losses[i][j] for i, j in enumerate(chosen)), "sensitivity": s.to_dict(),
     }
     return policy
@@ -176,8 +180,8 @@ def policy_for_budget(sensitivity: Sensitivity, budget_bits: float, *, allow_den
 
 def calibrate(model: Any, tokens: Tensor, budget_bits: float, *, bits: tuple[int, ...] = (2, 3, 4),
               allow_dense: bool = True, prefix: int = 384, scored: int = 64, context_tokens: int = 2048,
-              sink_length: int = SINK_LENGTH, center_keys: bool = True, backend: str | None = None,
-              scale_keys: bool = False) -> KVPolicy:
+              sink_length: int = SINK_LENGTH, encode_stride: int = ENCODE_STRIDE, center_keys: bool = True,
+              backend: str | None = None, scale_keys: bool = False) -> KVPolicy:
     """A :class:`KVPolicy` for ``model`` at most ``budget_bits`` bits per stored key/value element on
     average: :func:`measure_sensitivity` on calibration ids ``tokens`` [1, T], then :func:`policy_for_budget`
     (arguments as there); with ``scale_keys``, key scales measured on the same tokens first
@@ -187,7 +191,7 @@ def calibrate(model: Any, tokens: Tensor, budget_bits: float, *, bits: tuple[int
     sensitivity = measure_sensitivity(model, tokens, bits=bits, prefix=prefix, scored=scored,
                                       center_keys=center_keys, backend=backend, key_scales=scales)
     return policy_for_budget(sensitivity, budget_bits, allow_dense=allow_dense, context_tokens=context_tokens,
-                             sink_length=sink_length)
+                             sink_length=sink_length, encode_stride=encode_stride)
 
 
 _CAPTURE = "tqindex-calibrate-capture"

@@ -47,7 +47,7 @@ from ..checks import check_bool, check_int
 from ..encoder import Encoder, encoder_names, make_encoder
 from ..turboquant import MSE_BITS
 from .attention import compressed_attention, compressed_attention_ref, dense_attention, _scaled_queries
-from .policy import SINK_LENGTH, KVPolicy, encoder_for
+from .policy import ENCODE_STRIDE, SINK_LENGTH, KVPolicy, encoder_for
 from .store import CompressedTokens, KVStore, encoder_from_key, encoder_key
 
 ATTN_IMPLEMENTATION = "tqindex"
@@ -122,10 +122,12 @@ class TQLayer(CacheLayerMixin):
         center_keys: bool = False,
         key_scale: Tensor | None = None,
         sink_length: int = 0,
+        encode_stride: int = 1,
     ) -> None:
         # CacheLayerMixin.__init__ is not called: it assigns ``keys`` / ``values``, which are read-only here.
         self.is_initialized = False
-        self.store = KVStore(key_encoder, value_encoder, residual_length, center_keys, key_scale, sink_length)
+        self.store = KVStore(key_encoder, value_encoder, residual_length, center_keys, key_scale, sink_length,
+                             encode_stride)
         self.config = config
         self.settles = True  # encode the tokens beyond the window after each update (KVStore.settle)
 
@@ -193,7 +195,7 @@ class TQLayer(CacheLayerMixin):
     def reset(self) -> None:
         store = self.store
         self.store = KVStore(store.key_encoder, store.value_encoder, store.residual_length, store.center_keys,
-                             store.key_scale, store.sink_length)
+                             store.key_scale, store.sink_length, store.encode_stride)
         self.is_initialized = False
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -262,7 +264,9 @@ class TQCache(DynamicCache):
     key_encoder, value_encoder, residual_length, protected_layers and center_keys (needs ``config``);
     sink_length: the first tokens of every compressed layer kept in full precision, never encoded (the
     tokens attention concentrates on whatever they hold, see :mod:`tqindex.kv.store`), policy or not; 0 encodes
-    them like any other.
+    them like any other; encode_stride: tokens leaving the window are encoded once at least this many have
+    left it (the window then holds up to ``encode_stride - 1`` tokens more than ``residual_length``), so a
+    decode step pays the host time of encoding once every ``encode_stride`` steps (1: at every step).
 
     Where it differs from ``DynamicCache``, deliberately:
 
@@ -297,10 +301,12 @@ class TQCache(DynamicCache):
         center_keys: bool = True,
         policy: KVPolicy | dict | str | os.PathLike | None = None,
         sink_length: int = SINK_LENGTH,
+        encode_stride: int = ENCODE_STRIDE,
     ) -> None:
         self.backend = kernels.check_backend(backend)
         self.center_keys = check_bool(center_keys, "center_keys")
         self.sink_length = check_int(sink_length, "sink_length", 0)
+        self.encode_stride = check_int(encode_stride, "encode_stride", 1)
         if config is not None and not isinstance(config, PreTrainedConfig):
             if isinstance(config, (str, bytes, dict)) or not isinstance(config, Iterable) or ddp_cache_data is not None:
                 raise TypeError(
@@ -375,7 +381,7 @@ class TQCache(DynamicCache):
         keys = _encoder(self.key_encoder, dims[0], "key_encoder", self.backend)
         values = _encoder(self.value_encoder, dims[1], "value_encoder", self.backend)
         return TQLayer(keys, values, self.residual_length, self._text_config, self.center_keys,
-                       sink_length=self.sink_length)
+                       sink_length=self.sink_length, encode_stride=self.encode_stride)
 
     def _policy_layers(self, dims: tuple[int, int]) -> list[CacheLayerMixin]:
         """The layers :attr:`policy` describes: its entry i for a full-attention layer i (other layer types
@@ -392,7 +398,7 @@ class TQCache(DynamicCache):
             values = encoder_for(entry.value_encoder, dims[1], self.backend)
             scale = None if entry.key_scale is None else torch.tensor(entry.key_scale)
             layers.append(TQLayer(keys, values, entry.residual_length, self._text_config, center, scale,
-                                  sink_length=self.sink_length))
+                                  sink_length=self.sink_length, encode_stride=self.encode_stride))
         return layers
 
     def _add_layers(self, layer_idx: int, key_states: Tensor, value_states: Tensor) -> None:
@@ -603,6 +609,7 @@ class _StoreSpec:
     center_keys: bool
     scaled: bool  # the store's key_scale follows its tensors
     sink_length: int
+    encode_stride: int
 
 
 def _flatten_object(obj: Any, path: str, leaves: list[tuple[str, Tensor]]) -> tuple[type, tuple]:
@@ -621,7 +628,7 @@ def _flatten_object(obj: Any, path: str, leaves: list[tuple[str, Tensor]]) -> tu
             if scaled:
                 leaves.append((f"{path}{name}.key_scale", value.key_scale))
             value = _StoreSpec(value._key_id, value._value_id, value.residual_length, len(tensors), value.center_keys,
-                               scaled, value.sink_length)
+                               scaled, value.sink_length, value.encode_stride)
         elif isinstance(value, Encoder):
             value = _EncoderRef(encoder_key(value))
         elif name == "layers":
@@ -644,7 +651,7 @@ def _unflatten_object(context: tuple[type, tuple], leaves: Iterator[Tensor]) -> 
             scale = next(leaves) if value.scaled else None
             encoders = encoder_from_key(value.key_encoder), encoder_from_key(value.value_encoder)
             value = KVStore.from_tensors(*encoders, value.residual_length, tensors, value.center_keys, scale,
-                                         value.sink_length)
+                                         value.sink_length, value.encode_stride)
         elif isinstance(value, _EncoderRef):
             value = encoder_from_key(value.key)
         elif name == "layers":

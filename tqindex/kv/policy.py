@@ -13,10 +13,10 @@ measures the sensitivities on a model and calls it.
 
 Bytes of a layer per token and batch row, for ``heads`` KV heads of key/value head dims ``Dk``/``Dv``:
 ``heads · (key code_size + value code_size)`` for the codes, plus the window amortized over a context
-of ``context_tokens`` tokens: ``(residual_length + sink_length) · heads · (Dk + Dv) · dense_bytes /
-context_tokens`` (between steps the window holds the newest ``residual_length`` tokens and the cache's
-``sink_length`` first tokens in full precision; ``dense_bytes``: bytes per element of
-the model's dtype, which windows and dense layers hold), plus the key offset of centered keys,
+of ``context_tokens`` tokens: ``(residual_length + encode_stride - 1 + sink_length) · heads · (Dk + Dv) ·
+dense_bytes / context_tokens`` (between steps the window holds at most the newest ``residual_length +
+encode_stride - 1`` tokens and the cache's ``sink_length`` first tokens in full precision; ``dense_bytes``:
+bytes per element of the model's dtype, which windows and dense layers hold), plus the key offset of centered keys,
 ``heads · Dk · 4 / context_tokens``; a dense layer holds ``heads · (Dk + Dv) · dense_bytes``. Bits per
 element divide by ``heads · (Dk + Dv)`` elements. A layer's key scales (``LayerPolicy.key_scale``) belong to
 the model, shared by every sequence, and are not counted per token.
@@ -43,6 +43,8 @@ OFFSET_BYTES = 4
 """Bytes per element of a centered layer's key offset (float32)."""
 SINK_LENGTH = 4
 """First tokens of every compressed layer a ``TQCache`` keeps in full precision by default (sink tokens)."""
+ENCODE_STRIDE = 16
+"""Tokens a ``TQCache`` layer encodes at once by default once they leave its window (``encode_stride``)."""
 _COST_STEP = 1 / 64
 """Byte resolution of the budget in :func:`choose` (bytes per token and layer)."""
 
@@ -142,14 +144,14 @@ class LayerPolicy:
         return cls(**data)
 
     def bytes_per_token(self, heads: int, key_dim: int, value_dim: int, context_tokens: int, dense_bytes: int,
-                        center_keys: bool = False, sink_length: int = 0) -> float:
+                        center_keys: bool = False, sink_length: int = 0, encode_stride: int = 1) -> float:
         """Bytes this layer holds per token and batch row at a context of ``context_tokens`` tokens (module
-        notes)."""
+        notes), at most."""
         if self.dense:
             return heads * (key_dim + value_dim) * dense_bytes
         codes = heads * (encoder_for(self.key_encoder, key_dim).code_size
                          + encoder_for(self.value_encoder, value_dim).code_size)
-        window = (self.residual_length + sink_length) * heads * (key_dim + value_dim) * dense_bytes
+        window = (self.residual_length + encode_stride - 1 + sink_length) * heads * (key_dim + value_dim) * dense_bytes
         offset = heads * key_dim * OFFSET_BYTES if center_keys else 0
         return codes + (window + offset) / context_tokens
 
@@ -241,12 +243,13 @@ class KVPolicy:
 
     # -- accounting --------------------------------------------------------------------------------
     def bits_per_element(self, heads: int, key_dim: int, value_dim: int, context_tokens: int,
-                         dense_bytes: int, sink_length: int = 0) -> float:
+                         dense_bytes: int, sink_length: int = 0, encode_stride: int = 1) -> float:
         """Average stored bits per key/value element over all layers at ``context_tokens`` tokens (module
-        notes) in a cache keeping ``sink_length`` first tokens in full precision: what ``8 * cache.nbytes()``
-        divided by the elements held comes to, up to the window tokens not yet held at short contexts."""
+        notes) in a cache keeping ``sink_length`` first tokens in full precision and encoding ``encode_stride``
+        tokens at a time: the most that ``8 * cache.nbytes()`` divided by the elements held comes to, up to
+        the window tokens not yet held at short contexts."""
         total = sum(layer.bytes_per_token(heads, key_dim, value_dim, context_tokens, dense_bytes, self.center_keys,
-                                          sink_length) for layer in self.layers)
+                                          sink_length, encode_stride) for layer in self.layers)
         return 8 * total / (len(self.layers) * heads * (key_dim + value_dim))
 
     def describe(self) -> str:

@@ -4,8 +4,12 @@ A :class:`KVStore` holds one attention layer's keys and values, ``[B, H, T, dim]
 tokens (the last ``residual_length`` of the previous steps plus the chunk of the current step) stay in
 full precision in the *window*; the tokens that fall out of it are encoded once (by :meth:`KVStore.settle`
 once the step's attention has read them, or by the next :meth:`KVStore.append`) and appended to a
-:class:`CodesBuffer`, whose capacity grows by an eighth when full (amortized O(1) per token, no copy of
-the history per step, at most a ninth of the buffer unused). Keys and values have their own encoders.
+:class:`CodesBuffer`. With ``encode_stride`` n > 1 they are encoded n or more at a time: the window then
+holds between ``residual_length`` and ``residual_length + n - 1`` tokens of earlier steps, and a decode step
+encodes (two encoder calls and their small operations, host time that does not shrink with the tokens) once
+every n steps instead of at every step. A buffer's capacity grows by an eighth when full (amortized O(1)
+per token, no copy of the history per step, at most a ninth of the buffer unused). Keys and values have
+their own encoders.
 
 With ``sink_length`` s, the first s tokens of the sequence are never encoded: attention concentrates on
 them whatever they hold (the "attention sinks" of language models), so their error reaches every later
@@ -188,6 +192,7 @@ class CodesBuffer:
         if not 0 <= length <= data.shape[2]:
             raise ValueError(f"length must be in [0, {data.shape[2]}], got {length!r}")
         self._data = data
+        self._view: Codes | None = None  # the last view, while the length and the storage are the same
         # The number of valid tokens is the size of this zero-byte tensor, not a Python int: torch.compile
         # turns a changing tensor size into a dynamic size, while it compiles again for every new int.
         self._length = data.qdata.new_empty(length, 0)
@@ -204,9 +209,12 @@ class CodesBuffer:
         return self._data.shape[2]
 
     def view(self) -> Codes:
-        """The valid codes, Codes [B, H, length] (a view: no copy)."""
+        """The valid codes, Codes [B, H, length] (a view of the storage: no copy; the same object while the
+        length and the storage stay the same, as in the decode steps between two encodes)."""
         length = self.length
-        return self._data.map(lambda t: t.narrow(2, 0, length))
+        if self._view is None or self._view.shape[2] != length:
+            self._view = self._data.map(lambda t: t.narrow(2, 0, length))
+        return self._view
 
     @property
     def nbytes(self) -> int:
@@ -221,7 +229,7 @@ class CodesBuffer:
             capacity = max(needed + 1, int(GROWTH * self.capacity), MIN_CAPACITY)
             grown = self._data.empty_like(*self._data.shape[:2], capacity)
             grown.copy_((_ALL, _ALL, slice(0, length)), self.view())
-            self._data = grown
+            self._data, self._view = grown, None
             self.reallocations += 1
         self._data.copy_((_ALL, _ALL, slice(length, needed)), codes)
         self._length = self._length.new_empty(needed, 0)
@@ -232,11 +240,11 @@ class CodesBuffer:
 
     def select(self, index: Tensor) -> None:
         """Keep (or repeat, reorder) batch rows: ``index`` is a long or bool tensor indexing dim 0."""
-        self._data = self._data[index]
+        self._data, self._view = self._data[index], None
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> None:
         """Move the valid codes to ``device`` (the unused capacity is dropped)."""
-        self._data = self.view().map(lambda t: t.to(device, non_blocking=non_blocking))
+        self._data, self._view = self.view().map(lambda t: t.to(device, non_blocking=non_blocking)), None
         self._length = self._length.to(device)
 
 
@@ -245,14 +253,15 @@ class KVStore:
 
     ``residual_length``: tokens of previous steps kept in full precision (the current step's chunk is
     always in full precision too). ``append`` first encodes the window tokens beyond that into the
-    buffers (:meth:`settle`), then adds the new chunk to the window; ``sink_length``: first tokens never
-    encoded (module notes). ``center_keys``: store keys minus :attr:`key_offset`; ``key_scale``: [H, Dk], store
+    buffers (:meth:`settle`), then adds the new chunk to the window; ``encode_stride``: tokens beyond
+    ``residual_length`` are encoded once there are at least this many (module notes); ``sink_length``:
+    first tokens never encoded (module notes). ``center_keys``: store keys minus :attr:`key_offset`; ``key_scale``: [H, Dk], store
     keys divided by it (see the module docstring).
     """
 
     def __init__(
         self, key_encoder: Encoder, value_encoder: Encoder, residual_length: int, center_keys: bool = False,
-        key_scale: Tensor | None = None, sink_length: int = 0,
+        key_scale: Tensor | None = None, sink_length: int = 0, encode_stride: int = 1,
     ) -> None:
         for name, enc in (("key_encoder", key_encoder), ("value_encoder", value_encoder)):
             if not isinstance(enc, Encoder):
@@ -263,6 +272,7 @@ class KVStore:
         self.value_encoder = value_encoder
         self.residual_length = check_int(residual_length, "residual_length", 0)
         self.sink_length = check_int(sink_length, "sink_length", 0)
+        self.encode_stride = check_int(encode_stride, "encode_stride", 1)
         self.center_keys = center_keys
         self.key_offset: Tensor | None = None  # [B, H, 1, Dk] float32, set by the first non-empty append
         self.key_scale = _check_scale(key_scale, key_encoder.dim)  # [H, Dk] float32 or None
@@ -292,9 +302,10 @@ class KVStore:
         center_keys: bool = False,
         key_scale: Tensor | None = None,
         sink_length: int = 0,
+        encode_stride: int = 1,
     ) -> "KVStore":
         """Inverse of :meth:`tensors`: a store holding exactly those codes, windows and key offset."""
-        store = cls(key_encoder, value_encoder, residual_length, center_keys, key_scale, sink_length)
+        store = cls(key_encoder, value_encoder, residual_length, center_keys, key_scale, sink_length, encode_stride)
         if tensors:
             nk, nv = len(_LAYOUTS[store._key_id]), len(_LAYOUTS[store._value_id])
             if len(tensors) not in (nk + nv + 2, nk + nv + 3) or (len(tensors) == nk + nv + 3 and not center_keys):
@@ -392,14 +403,15 @@ class KVStore:
 
     def settle(self) -> None:
         """Encode the window's tokens beyond the sinks and the newest ``residual_length`` into the buffers
-        now (``append`` does it first otherwise). Views taken before keep what they hold: a cache layer takes
-        the step's view, then settles, so that between steps it holds no full-precision tokens beyond the
-        window (a prefill chunk's are encoded once its attention has read them)."""
+        now, where there are at least ``encode_stride`` of them (``append`` does it first otherwise). Views
+        taken before keep what they hold: a cache layer takes the step's view, then settles, so that between
+        steps it holds fewer than ``encode_stride`` full-precision tokens beyond the window (a prefill
+        chunk's are encoded once its attention has read them)."""
         if self.keys is None:
             return
         sink = self.sink_held
         old = self.window_length - sink - self.residual_length
-        if old <= 0:
+        if old < self.encode_stride:  # (encode_stride >= 1)
             return
         leaving, rest = slice(sink, sink + old), slice(sink + old, None)  # sinks stay at the window's start
         self.keys.append(encode_tokens(self.key_encoder, self._held_keys(self._key_window[:, :, leaving]),
@@ -493,9 +505,10 @@ class KVStore:
 
     # -- helpers -----------------------------------------------------------------------------------
     def _held_keys(self, keys: Tensor) -> Tensor:
-        """Keys [B, H, n, Dk] as the codes hold them: float32, minus the offset, divided by the scale."""
-        keys = keys.float() if self.key_offset is None else keys.float() - self.key_offset
-        return keys if self.key_scale is None else keys / self.key_scale[:, None, :]
+        """Keys [B, H, n, Dk] as the codes hold them: float32, minus the offset, divided by the scale (both
+        float32: each operation promotes the keys to float32 itself)."""
+        keys = keys if self.key_offset is None else keys - self.key_offset
+        return (keys if self.key_scale is None else keys / self.key_scale[:, None, :]).float()
 
     def _check(self, key: Tensor, value: Tensor) -> None:
         for name, t, enc in (("key", key, self.key_encoder), ("value", value, self.value_encoder)):
