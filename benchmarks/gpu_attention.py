@@ -10,7 +10,9 @@ Every number comes from one run on one GPU:
   bytes each reads (bf16 K/V, or codes with their scales) against the roofline, and the kernel's error
   against float32 attention over the decoded codes;
 - end to end, a randomly initialized Llama-8B-shaped model (32 layers, bf16): decode step time (CUDA
-  events, median of 16 steps after 4 warm-up steps, the cache cropped back after each) and peak memory
+  events around 32 consecutive one-token steps after 16 warm-up steps, their mean: the cache grows as in
+  real decoding, TQCache's layers encode the tokens that leave their windows in these steps, then it is
+  cropped back) and peak memory
   of DynamicCache against TQCache presets at 8k-64k context and batch 1-32, the cache filled by a real
   chunked prefill (4096 tokens a chunk; its time reported) where ``--prefill`` allows, else by writing
   random keys and values into every layer (decode timing does not depend on the values);
@@ -61,6 +63,9 @@ MAX_DENSE_GB = 40
 E2E = ((8192, 1), (32768, 1), (8192, 8), (32768, 8), (65536, 8), (32768, 32))
 """(context, batch) of the end-to-end rows."""
 PREFILL_CHUNK = 4096
+WARMUP_STEPS, DECODE_STEPS = 16, 32
+"""Decode steps before the timed ones (a whole ``encode_stride`` of window lengths: what they compile is
+compiled), and timed consecutive steps (:func:`decode_ms`)."""
 GiB = 1 << 30
 
 
@@ -185,20 +190,22 @@ def fill(model: Any, cache: Any, batch: int, context: int, prefill: bool, device
 
 @torch.no_grad()
 def decode_ms(model: Any, cache: Any, batch: int, device: torch.device) -> float:
-    """Median ms of one decode step (4 warm-up steps, 16 timed, the cache cropped back after each)."""
+    """Mean ms of one decode step over DECODE_STEPS consecutive one-token steps (after WARMUP_STEPS), as real
+    decoding runs them: the cache grows, and a TQCache encodes what leaves its windows (``encode_stride``
+    divides DECODE_STEPS: every layer encodes the same number of times in any such span). The cache is then
+    cropped back to its length before the warm-up."""
     ids = torch.randint(2, model.config.vocab_size, (batch, 1), device=device)
     kw = {cache_kw(model): cache}
-    times = []
-    for i in range(20):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
+    length = cache.get_seq_length()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for i in range(WARMUP_STEPS + DECODE_STEPS):
+        if i == WARMUP_STEPS:
+            a.record()
         model(input_ids=ids, **kw, logits_to_keep=1)
-        b.record()
-        b.synchronize()
-        cache.crop(cache.get_seq_length() - 1)
-        if i >= 4:
-            times.append(a.elapsed_time(b))
-    return float(torch.tensor(times).median())
+    b.record()
+    b.synchronize()
+    cache.crop(length - cache.get_seq_length())  # a negative count removes that many tokens (every 5.x)
+    return a.elapsed_time(b) / DECODE_STEPS
 
 
 def e2e_rows(results: _run.Results, device: torch.device, args: argparse.Namespace) -> None:

@@ -51,10 +51,10 @@ class Codes:
 
     def planes(self) -> Iterator[tuple[str, Tensor]]:
         """(name, tensor) for every plane that is present."""
-        for f in fields(self):
-            t = getattr(self, f.name)
+        for name in _PLANES:
+            t = getattr(self, name)
             if t is not None:
-                yield f.name, t
+                yield name, t
 
     def map(self, fn: Callable[[Tensor], Tensor]) -> "Codes":
         """Apply ``fn`` to every plane (it must act on leading dims only)."""
@@ -109,6 +109,9 @@ class Codes:
     def empty_like(self, *lead: int) -> "Codes":
         """Uninitialized Codes with the same planes, dtypes and device and leading shape ``lead``."""
         return replace(self, **{n: t.new_empty((*lead, *_trailing(n, t))) for n, t in self.planes()})
+
+
+_PLANES = tuple(f.name for f in fields(Codes))
 
 
 def _trailing(name: str, t: Tensor) -> torch.Size:

@@ -39,7 +39,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import multiprocessors
-from .planes import FP4_GROUP, RunLayout, next_power_of_2, run_layouts, to_planes
+from .planes import FP4_GROUP, RunLayout, cdiv, next_power_of_2, run_layouts, to_planes
 from .scan_triton import (_groups, _level, _nibble_levels, _plane_levels, _scan_tables, default_decode,
                           prmt_tables)
 
@@ -315,7 +315,7 @@ def _store_result(acc, total, RES, bh, r, ok, hkv, hq, rows, nq, D: tl.constexpr
     tl.store(RES + at[:, None] + d[None, :], res.to(RES.dtype.element_ty), mask=ok[:, None] & (d[None, :] < D))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("tc", "tw", "splits_c", "tokens_per_split"))  # no recompiles as they grow
 def _attention_kernel(
     QP, QSC, Q, KC, KN, VC, VN, KW, VW, MASK, OUT, M_OUT, L_OUT, MV, RES,
     hkv, hq, rows, nq, tc, tw, q_sb, q_sh, q_sq, mask_sb, mask_sq, mask_st, kbytes, vbytes, kc_stride, vc_stride,
@@ -384,7 +384,7 @@ def _merge_split(acc, total, OUT, M, L, at, ok, shift, DP: tl.constexpr):
     return acc + part * w[:, None], total + tl.load(L + at, mask=ok, other=0.0) * w
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("splits", "splits_c"))
 def _merge_kernel(OUT, M, L, MV, RES, hkv, hq, rows, nq, splits, splits_c, D: tl.constexpr, DP: tl.constexpr,
                   BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
     """Program (batch row x KV head ``bh``, row block): the log-sum-exp merge of the splits' partial softmaxes
@@ -470,23 +470,23 @@ def compressed_attention_triton(q: Tensor, keys: Any, values: Any, mask: Tensor 
     dp = next_power_of_2(dim)
     pw = kr[2] * kr[4]  # the key run's planes x padded groups
     block_m = 16 if rows <= 16 else 64
-    row_blocks = triton.cdiv(rows, block_m)
+    row_blocks = cdiv(rows, block_m)
     precision = "tf32x3" if q.is_cuda else "ieee"  # float32 accuracy on tensor cores (the interpreter: ieee)
     qp = torch.empty(bsz * hkv * rows, pw, device=device, dtype=torch.float16)
     qsc = torch.empty(bsz * hkv * rows, device=device)
-    _query_kernel[(bsz * hkv, triton.cdiv(rows, MERGE_ROWS))](
+    _query_kernel[(bsz * hkv, cdiv(rows, MERGE_ROWS))](
         q, mq, qp, qsc, hkv, rows, nq, q.stride(0), q.stride(1), q.stride(2), D=dim, DP=dp, PW=pw, PWP=mq.shape[1],
         BLOCK_R=MERGE_ROWS, PRECISION=precision, num_warps=4)
-    want = triton.cdiv(PROGRAMS_PER_SM * multiprocessors(device), bsz * hkv * row_blocks)
+    want = cdiv(PROGRAMS_PER_SM * multiprocessors(device), bsz * hkv * row_blocks)
     one_pass = want == 1 if one_pass is None else one_pass
     if one_pass and rows >= ONE_PASS_ROWS:
         block_m = ONE_PASS_ROWS
-        row_blocks = triton.cdiv(rows, block_m)
+        row_blocks = cdiv(rows, block_m)
     splits_c, per = 0, BLOCK_N
     if tc and not one_pass:
-        per = triton.cdiv(triton.cdiv(tc, min(want, triton.cdiv(tc, MIN_SPLIT_TOKENS))), BLOCK_N) * BLOCK_N
-        splits_c = triton.cdiv(tc, per)
-    splits = 1 if one_pass else splits_c + (triton.cdiv(tw, WINDOW_SPLIT) if tw else 0)
+        per = cdiv(cdiv(tc, min(want, cdiv(tc, MIN_SPLIT_TOKENS))), BLOCK_N) * BLOCK_N
+        splits_c = cdiv(tc, per)
+    splits = 1 if one_pass else splits_c + (cdiv(tw, WINDOW_SPLIT) if tw else 0)
     res = torch.empty(bsz, nq, hq, dim, device=device, dtype=q.dtype)
     out = res if one_pass else torch.empty(bsz * hkv, splits, rows, dp, device=device)
     m = qsc if one_pass else torch.empty(bsz * hkv, splits, rows, device=device)  # (one pass: unused pointers)
@@ -509,7 +509,7 @@ def compressed_attention_triton(q: Tensor, keys: Any, values: Any, mask: Tensor 
         DECODE=dec, ONE_PASS=one_pass, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
         num_warps=8 if block_m > 16 or kr[0] == 8 else DECODE_WARPS, num_stages=NUM_STAGES)
     if not one_pass:
-        _merge_kernel[(bsz * hkv, triton.cdiv(rows, MERGE_ROWS))](
+        _merge_kernel[(bsz * hkv, cdiv(rows, MERGE_ROWS))](
             out, m, l_, mv, res, hkv, hq, rows, nq, splits, splits_c, D=dim, DP=dp, BLOCK_R=MERGE_ROWS,
             PRECISION=precision, num_warps=4)
     return res.transpose(1, 2)

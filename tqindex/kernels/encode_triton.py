@@ -30,7 +30,7 @@ from torch import Tensor
 
 from ..directions import rescue_unsafe_rows
 from . import multiprocessors
-from .planes import RunLayout, plane_coordinates, plane_width, run_layouts, to_planes
+from .planes import RunLayout, cdiv, next_power_of_2, plane_coordinates, plane_width, run_layouts, to_planes
 from .scan_triton import _magnitude
 
 BLOCK_N = 32
@@ -224,7 +224,7 @@ def encode_directions_triton(x: Tensor, rotation: Any, runs: Sequence[Any], alph
     pw = plane_width(layouts)
     x = x.float().contiguous()
     rotate = rotation.matmul_matrix is not None
-    blocks = triton.cdiv(n, BLOCK_N)
+    blocks = cdiv(n, BLOCK_N)
     programs = min(blocks, PROGRAMS_PER_SM * multiprocessors(device)) if device.type == "cuda" else blocks
     if rotate:
         src, rp = x, _planar_rotation(rotation, tuple(layouts))
@@ -239,8 +239,8 @@ def encode_directions_triton(x: Tensor, rotation: Any, runs: Sequence[Any], alph
         _encode_kernel[(programs,)](
             src, x, rp, scratch, n, d, pw, mags, bounds, alphas, qdata,
             row_bytes, norm, dot, sq, R0=tuple(layouts[0]), R1=tuple(layouts[1]), R2=tuple(layouts[2]),
-            A=len(alphas), AP=max(2, triton.next_power_of_2(len(alphas))), ROTATE=rotate,
-            DK=triton.cdiv(d, BLOCK_K) * BLOCK_K, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+            A=len(alphas), AP=max(2, next_power_of_2(len(alphas))), ROTATE=rotate,
+            DK=cdiv(d, BLOCK_K) * BLOCK_K, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
             PRECISION="tf32x3" if device.type == "cuda" else "ieee", num_warps=NUM_WARPS)
     if not rotate:  # the kernel scaled the rows, not the rotation torch applied to them first
         rescue_unsafe_rows(encode_directions_triton, x, rotation, runs, alphas, qdata, norm, dot, sq)

@@ -26,6 +26,11 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for integers (plain Python: launch code calls it often)."""
+    return -(-a // b)
+
+
 class RunLayout(NamedTuple):
     """How a kernel reads one coded run (all compile-time constants): bits, group bytes, planes, groups,
     groups padded to the k-step, k-step (groups per tile), byte offset in the code row, offset in the

@@ -36,7 +36,7 @@ from ..scorer import CodeRunList, Scorer
 from ..topk import TopK
 from . import multiprocessors
 from .graphs import any_true
-from .planes import RunLayout, run_layouts, to_planes
+from .planes import RunLayout, cdiv, next_power_of_2, run_layouts, to_planes
 
 TILES = {2: (256, 4), 16: (256, 8), 32: (64, 4), 64: (64, 4), 128: (64, 4), 256: (32, 4)}
 """Queries per program (BLOCK_Q: 2 holds one query, scored by FMAs; 16 and more, the MMA's N dimension) ->
@@ -411,7 +411,7 @@ def _scan_tables(encoder: Any, device: torch.device) -> tuple[tuple, Tensor, lis
 
 def candidate_depth(k: int) -> int:
     """Candidates kept per query by the f16 scan before exact re-scoring: a power of two >= k + max(8, k/4)."""
-    return triton.next_power_of_2(k + max(8, k // 4))
+    return next_power_of_2(k + max(8, k // 4))
 
 
 SAMPLE_FRACTION = 8
@@ -439,7 +439,7 @@ class TritonScorer(Scorer):
     def _common(self, m: int, topk: bool) -> dict:
         """Launch constants for m query rows (``topk``: each keeps a running top-k; see TILES)."""
         tiles = TILES_TOPK if topk else TILES
-        block_q = 2 if m == 1 else min(max(tiles), max(16, triton.next_power_of_2(m)))
+        block_q = 2 if m == 1 else min(max(tiles), max(16, next_power_of_2(m)))
         block_n, warps = tiles[block_q]
         return dict(R0=self.runs[0], R1=self.runs[1], R2=self.runs[2], L2=self.l2, DECODE=self.decode,
                     BLOCK_N=block_n, BLOCK_Q=block_q, num_warps=warps)
@@ -455,14 +455,14 @@ class TritonScorer(Scorer):
         qp, qscale = self.qp[sel].contiguous(), self.qscale[sel].contiguous()
         n, m, kt = len(codes), len(qp), 1 if mode == MODE_MAX else candidate_depth(k)  # MODE_MAX: one row
         common = self._common(m, mode == MODE_TOPK)
-        block_n, q_blocks = common["BLOCK_N"], triton.cdiv(m, common["BLOCK_Q"])
+        block_n, q_blocks = common["BLOCK_N"], cdiv(m, common["BLOCK_Q"])
         sms = multiprocessors(qp.device)
-        splits = max(1, min(triton.cdiv(n, 4 * block_n), triton.cdiv(PROGRAMS_PER_SM * sms, q_blocks)))
-        per_split = triton.cdiv(triton.cdiv(n, splits), block_n) * block_n
-        splits = triton.cdiv(n, per_split)
+        splits = max(1, min(cdiv(n, 4 * block_n), cdiv(PROGRAMS_PER_SM * sms, q_blocks)))
+        per_split = cdiv(cdiv(n, splits), block_n) * block_n
+        splits = cdiv(n, per_split)
         count = cap = None
         if mode == MODE_TILE_MAX:
-            out_v = torch.empty(triton.cdiv(n, block_n), m, device=qp.device)
+            out_v = torch.empty(cdiv(n, block_n), m, device=qp.device)
             out_i = out_v  # not written
         elif mode == MODE_FILTER:
             cap = CAPACITY_FACTOR * kt * SAMPLE_FRACTION + CAPACITY_EXTRA
@@ -636,5 +636,5 @@ class _ListTable:
         norm = torch.empty(c, device=lst.device)
         if c:
             _gather_rows_kernel[(c,)](self.code_ptrs, self.norm_ptrs, lst, rows, qdata, norm, c, self.row_bytes,
-                                      NORM_F16=self.norm_f16, BLOCK_B=min(256, triton.next_power_of_2(self.row_bytes)))
+                                      NORM_F16=self.norm_f16, BLOCK_B=min(256, next_power_of_2(self.row_bytes)))
         return Codes(qdata=qdata, norm=norm.to(self.template.norm.dtype))
