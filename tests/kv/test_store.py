@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import tqindex as tq
+from tqindex.codes import Codes
 from tqindex.kv.store import (
     DENSE_BYTES_PER_ELEMENT, GROWTH, MIN_CAPACITY, CodesBuffer, KVStore, encode_tokens, encoder_from_key, encoder_key,
 )  # fmt: skip
@@ -119,15 +120,21 @@ def test_encode_stride_encodes_several_tokens_at_once_with_the_same_codes(stride
         with pytest.raises(ValueError, match="encode_stride"):
             KVStore(one.key_encoder, one.value_encoder, 3, encode_stride=bad)
 
-def test_amortized_appends_grow_capacity_geometrically():
+
+def test_amortized_appends_grow_capacity_by_steps_then_geometrically():
     store = _store(residual=0)
     steps = 900
     for t in range(steps):
         store.append(_tokens(1, t), _tokens(1, t))
     assert store.compressed_length == steps - 1
-    assert store.keys.length < store.keys.capacity <= GROWTH * store.keys.length + 1
-    assert store.keys.reallocations == 1 + math.ceil(math.log(steps / MIN_CAPACITY) / math.log(GROWTH))
+    assert (store.keys.capacity, store.keys.reallocations) == (1024, 4)  # 256, 512, 768, 1024 tokens
     assert store.values.reallocations == store.keys.reallocations
+    codes = Codes(qdata=torch.zeros(1, 1, 0, 2, dtype=torch.uint8), norm=torch.zeros(1, 1, 0))
+    buf = CodesBuffer(codes)
+    for t in range(0, 100_000, 250):  # past 32 * MIN_CAPACITY tokens a buffer grows by a 32nd of itself
+        buf.append(codes.empty_like(1, 1, 250))
+        assert buf.length < buf.capacity <= max(GROWTH * buf.length, buf.length + MIN_CAPACITY) + 1
+    assert buf.reallocations == 32 + math.ceil(math.log(100_000 / (32 * MIN_CAPACITY)) / math.log(GROWTH))
 
 
 def test_codes_buffer_keeps_contents_across_growth():
@@ -138,15 +145,12 @@ def test_codes_buffer_keeps_contents_across_growth():
     for t0 in range(0, 700, 7):
         buf.append(codes[:, :, t0 : t0 + 7])
         assert buf.length < buf.capacity  # a spare token: the valid view never spans the whole buffer
-    capacities = [0, MIN_CAPACITY]
-    while capacities[-1] <= 700:
-        capacities.append(int(GROWTH * capacities[-1]))
-    assert (buf.length, buf.reallocations, buf.capacity) == (700, len(capacities) - 1, capacities[-1])
+    assert (buf.length, buf.reallocations, buf.capacity) == (700, 3, 768)  # 256 tokens a step while short
     assert torch.equal(buf.view().qdata, codes.qdata) and torch.equal(buf.view().norm, codes.norm)
     wrapped = CodesBuffer(codes, 700)  # a full buffer of given codes
     assert wrapped.capacity == wrapped.length == 700
     wrapped.append(codes[:, :, :1])
-    assert wrapped.capacity == int(GROWTH * 700) and torch.equal(wrapped.view()[:, :, :700].qdata, codes.qdata)
+    assert wrapped.capacity == 700 + MIN_CAPACITY and torch.equal(wrapped.view()[:, :, :700].qdata, codes.qdata)
     with pytest.raises(ValueError, match="length"):
         CodesBuffer(codes, 701)
 

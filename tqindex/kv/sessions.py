@@ -32,7 +32,7 @@ dropped). A model on the CPU has nothing to move: offloaded caches stay where th
 the host budget instead of ``budget_bytes``.
 
 Compaction (``compact=True``): after its turn, a cache registered as a torch pytree node whose storages
-exceed the tensors it holds (a :class:`~tqindex.kv.TQCache` code buffer grows by an eighth) is rebuilt from
+exceed the tensors it holds (a :class:`~tqindex.kv.TQCache` code buffer grows by a 32nd) is rebuilt from
 copies of its leaves at their exact size, one copy of the cache.
 
 Timing. ``ttft_s`` runs from the call to the first answer token on the host: restore, evictions made for

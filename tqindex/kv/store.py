@@ -7,9 +7,9 @@ once the step's attention has read them, or by the next :meth:`KVStore.append`) 
 :class:`CodesBuffer`. With ``encode_stride`` n > 1 they are encoded n or more at a time: the window then
 holds between ``residual_length`` and ``residual_length + n - 1`` tokens of earlier steps, and a decode step
 encodes (two encoder calls and their small operations, host time that does not shrink with the tokens) once
-every n steps instead of at every step. A buffer's capacity grows by an eighth when full (amortized O(1)
-per token, no copy of the history per step, at most a ninth of the buffer unused). Keys and values have
-their own encoders.
+every n steps instead of at every step. A buffer's capacity grows by a 32nd (at least MIN_CAPACITY tokens)
+when full: amortized O(1) per token, no copy of the history per step, and little of a long buffer unused.
+Keys and values have their own encoders.
 
 With ``sink_length`` s, the first s tokens of the sequence are never encoded: attention concentrates on
 them whatever they hold (the "attention sinks" of language models), so their error reaches every later
@@ -56,11 +56,11 @@ DENSE_BYTES_PER_ELEMENT = 2
 """Bytes per element of the reference dense cache (bfloat16), for :meth:`KVStore.nbytes_dense`."""
 MIN_CAPACITY = 256
 """Tokens a :class:`CodesBuffer` holds at least once it holds any."""
-GROWTH = 1.125
-"""Factor by which a full :class:`CodesBuffer` grows: appended tokens are copied about 1 / (GROWTH - 1) = 8
-times in reallocations (amortized O(1); a copy of codes costs far less than encoding them), and at most a
-ninth of the buffer is unused capacity (doubling leaves up to half, which a long-context cache pays in GPU
-memory)."""
+GROWTH = 1 + 1 / 32
+"""Factor by which a full :class:`CodesBuffer` grows (by MIN_CAPACITY tokens at least): appended tokens are
+copied about 1 / (GROWTH - 1) = 32 times in reallocations (amortized O(1); a copy of a token's codes costs
+less than encoding it, and attention reads every code at every step), and at most a 33rd of a long buffer
+is unused capacity (doubling leaves up to half, which a long-context cache pays in GPU memory)."""
 _ALL = slice(None)
 
 # -- the encode operator ----------------------------------------------------------------------------
@@ -180,8 +180,8 @@ def in_order(window: Tensor, codes: Tensor, sink: int) -> Tensor:
 class CodesBuffer:
     """Codes [B, H, capacity] growing along the token axis (dim 2); the first ``length`` tokens are valid.
 
-    An append that would fill the buffer reallocates it to ``max(needed + 1, GROWTH * capacity,
-    MIN_CAPACITY)`` tokens, so T appended tokens cost O(log T) reallocations (counted in
+    An append that would fill the buffer reallocates it to ``max(needed + 1, capacity + max(MIN_CAPACITY,
+    (GROWTH - 1) * capacity))`` tokens, so T appended tokens cost O(log T) reallocations (counted in
     ``reallocations``), and the valid tokens never span the whole buffer: their memory layout, on which
     compiled code specializes, stays the same as the buffer fills. A ``torch.compile``-d decode step
     compiles again only when the buffer grows.
@@ -226,7 +226,7 @@ class CodesBuffer:
         length = self.length
         needed = length + codes.shape[2]
         if needed >= self.capacity:
-            capacity = max(needed + 1, int(GROWTH * self.capacity), MIN_CAPACITY)
+            capacity = max(needed + 1, self.capacity + max(MIN_CAPACITY, int((GROWTH - 1) * self.capacity)))
             grown = self._data.empty_like(*self._data.shape[:2], capacity)
             grown.copy_((_ALL, _ALL, slice(0, length)), self.view())
             self._data, self._view = grown, None
