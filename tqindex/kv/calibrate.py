@@ -143,13 +143,13 @@ def measure_sensitivity(
 def policy_for_budget(sensitivity: Sensitivity, budget_bits: float, *, allow_dense: bool = True,
                       context_tokens: int = 2048, sink_length: int = SINK_LENGTH,
                       encode_stride: int = ENCODE_STRIDE) -> KVPolicy:
-    """The policy of least predicted loss (summed KL) whose layers store at most ``budget_bits`` bits per
-    key/value element on average, side data and full-precision layers included, at a context of
-    ``context_tokens`` tokens in a cache that keeps its first ``sink_length`` tokens in full precision and
-    encodes ``encode_stride`` tokens at a time (``TQCache``'s defaults; :meth:`KVPolicy.bits_per_element`). Options per layer: every pair of the
-    measured key encoders with every measured value encoder, and full precision if ``allow_dense``. The
-    policy's ``calibration`` records the budget, the bits reached, the predicted KL and the measurement.
-    ValueError when the budget is below the cheapest choice."""
+    """The policy of least predicted loss (summed KL) whose layers store at most ``budget_bits`` bits per key/value
+    element on average, side data and full-precision layers included, at a context of ``context_tokens`` tokens in a
+    cache that keeps its first ``sink_length`` tokens in full precision and encodes ``encode_stride`` tokens at a
+    time (``TQCache``'s defaults; :meth:`KVPolicy.bits_per_element`). Options per layer: every pair of the measured
+    key encoders with every measured value encoder, and full precision if ``allow_dense``. The policy's
+    ``calibration`` records the budget, the bits reached, the predicted KL and the measurement. ValueError when the
+    budget is below the cheapest choice."""
     check_int(context_tokens, "context_tokens", 1)
     check_int(sink_length, "sink_length", 0)
     check_int(encode_stride, "encode_stride", 1)

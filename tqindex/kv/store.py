@@ -255,8 +255,8 @@ class KVStore:
     always in full precision too). ``append`` first encodes the window tokens beyond that into the
     buffers (:meth:`settle`), then adds the new chunk to the window; ``encode_stride``: tokens beyond
     ``residual_length`` are encoded once there are at least this many (module notes); ``sink_length``:
-    first tokens never encoded (module notes). ``center_keys``: store keys minus :attr:`key_offset`; ``key_scale``: [H, Dk], store
-    keys divided by it (see the module docstring).
+    first tokens never encoded (module notes). ``center_keys``: store keys minus :attr:`key_offset`;
+    ``key_scale``: [H, Dk], store keys divided by it (see the module docstring).
     """
 
     def __init__(
