@@ -92,7 +92,6 @@ def test_settle_encodes_beyond_the_window_and_keeps_earlier_views():
     assert torch.equal(store.view()[0].window, lazy.view()[0].window)
 
 
-
 @pytest.mark.parametrize("stride", [2, 5])
 def test_encode_stride_encodes_several_tokens_at_once_with_the_same_codes(stride):
     """With ``encode_stride`` n, one-token steps leave residual_length to residual_length + n - 1 tokens in the
