@@ -35,7 +35,7 @@ with ``-ks``;
 (:data:`_lm.CALIBRATION_TOPICS`, disjoint from both). tqindex runs use the ``"tqindex"`` attention
 implementation (attention computed from the codes) and encode each token as it leaves the window
 (``encode_stride=1``): a window holds exactly its ``residual_length`` tokens of earlier steps (``TQCache``'s
-default stride would let it hold up to 15 more).
+default ``encode_stride`` would let it hold up to ``encode_stride - 1`` more).
 
 Usage::
 

@@ -65,9 +65,9 @@ def run_layouts(runs: Sequence[Any], max_step: int = 64) -> tuple[list[RunLayout
         if run.bits:
             b = run.bits
             gb, planes = (3, 8) if b == 3 else (1, 8 // b if b < 8 else 1)
-            groups = -(-run.width // planes)
+            groups = cdiv(run.width, planes)
             step = min(max_step, max(16, next_power_of_2(groups)))
-            padded = -(-groups // step) * step
+            padded = cdiv(groups, step) * step
             out.append(RunLayout(b, gb, planes, groups, padded, step, byte, poff, run.nbytes, moff, run.width, start))
             h = len(run.centroids) // 2
             mags.append(run.centroids[h:].float())

@@ -411,7 +411,7 @@ class KVStore:
             return
         sink = self.sink_held
         old = self.window_length - sink - self.residual_length
-        if old < self.encode_stride:  # (encode_stride >= 1)
+        if old < self.encode_stride:  # (nothing beyond the window, old <= 0, included: encode_stride >= 1)
             return
         leaving, rest = slice(sink, sink + old), slice(sink + old, None)  # sinks stay at the window's start
         self.keys.append(encode_tokens(self.key_encoder, self._held_keys(self._key_window[:, :, leaving]),
