@@ -32,6 +32,7 @@ Results: ``gpu_attention.json`` (rewritten after every measurement) and ``gpu_at
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import sys
 import time
@@ -41,6 +42,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _env  # noqa: E402
@@ -67,6 +69,10 @@ WARMUP_STEPS, DECODE_STEPS = 16, 32
 """Decode steps before the timed ones (a whole ``encode_stride`` of window lengths: what they compile is
 compiled), and timed consecutive steps (:func:`decode_ms`)."""
 GiB = 1 << 30
+SDPA_BACKENDS = {"flash": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION], "default": None}
+"""``--sdpa``: the SDPA backends the end-to-end rows allow (DynamicCache's attention and TQCache's dense layers).
+"flash": flash attention, memory-efficient attention where a mask needs it (prefill chunks); "default": torch's
+own choice (on the H200's torch 2.11 that builds a new cuDNN plan at every new sequence length)."""
 
 
 def compressed(encoder: tq.Encoder, x: Tensor) -> CompressedTokens:
@@ -93,7 +99,7 @@ def kernel_rows(results: _run.Results, device: torch.device, quick: bool) -> Non
                 v = torch.randn(b, hkv, t, d, generator=g, device=device, dtype=torch.bfloat16)
                 q = torch.randn(b, hq, 1, d, generator=g, device=device, dtype=torch.bfloat16)
                 scaling = d**-0.5
-                with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                     sdpa_ms = bench(lambda: F.scaled_dot_product_attention(q, k, v, scale=scaling, enable_gqa=True))
                 row: dict[str, Any] = {"sdpa_ms": sdpa_ms, "sdpa_TBps": dense_bytes / sdpa_ms / 1e9}
                 for name, (ke, ve) in PRESETS.items():
@@ -208,6 +214,12 @@ def decode_ms(model: Any, cache: Any, batch: int, device: torch.device) -> float
     return a.elapsed_time(b) / DECODE_STEPS
 
 
+def sdpa(args: argparse.Namespace) -> Any:
+    """The context in which end-to-end rows run: SDPA restricted to ``--sdpa``'s backends (``SDPA_BACKENDS``)."""
+    backends = SDPA_BACKENDS[args.sdpa]
+    return contextlib.nullcontext() if backends is None else sdpa_kernel(backends)
+
+
 def e2e_rows(results: _run.Results, device: torch.device, args: argparse.Namespace) -> None:
     """End-to-end and fixed-budget rows (module notes)."""
     layers = 4 if args.quick else 32
@@ -224,8 +236,9 @@ def e2e_rows(results: _run.Results, device: torch.device, args: argparse.Namespa
             torch.cuda.reset_peak_memory_stats()
             cache = make_cache(kind, model)
             try:
-                prefill_s = fill(model, cache, batch, context, prefill, device)
-                step = decode_ms(model, cache, batch, device)
+                with sdpa(args):
+                    prefill_s = fill(model, cache, batch, context, prefill, device)
+                    step = decode_ms(model, cache, batch, device)
             except torch.OutOfMemoryError:
                 results.data["e2e"][key] = {"oom": True}
                 results.save()
@@ -255,8 +268,9 @@ def e2e_rows(results: _run.Results, device: torch.device, args: argparse.Namespa
         torch.cuda.empty_cache()
         cache = make_cache(kind, model)
         try:
-            fill(model, cache, batch, context, False, device)
-            step = decode_ms(model, cache, batch, device)
+            with sdpa(args):
+                fill(model, cache, batch, context, False, device)
+                step = decode_ms(model, cache, batch, device)
             row = {"tokens_held": tokens, "batch": batch, "context": context, "step_ms": step,
                    "tokens_per_s": batch / step * 1e3, "cache_GiB": held_bytes(cache) / GiB,
                    "allocated_GiB": allocated_bytes(cache) / GiB}
@@ -288,7 +302,9 @@ def markdown(data: dict) -> str:
                          + f" | {row['tq4']['dequantize_sdpa_ms']:.3f} |")
         lines.append("")
     if data["e2e"]:
+        backends = data["args"].get("sdpa", "default")
         lines += ["## End to end: Llama-8B shape, one decode step", "",
+                  f"SDPA backends (DynamicCache, TQCache's dense layers): {backends} (`--sdpa`).", "",
                   "| cache, context, batch | step ms | tokens/s | peak GiB | cache GiB | allocated GiB | filled by |",
                   "|---|--:|--:|--:|--:|--:|---|"]
         for key, r in data["e2e"].items():
@@ -321,6 +337,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--caches", default="dynamic,tq4,tq4-p0,k8v4,tq3",
                    help="caches of the end-to-end rows: dynamic, or a TQCache preset (" + ", ".join(PRESETS)
                    + ") with an optional -pN (N dense layers at each end; default 2)")
+    p.add_argument("--sdpa", choices=SDPA_BACKENDS, default="flash",
+                   help="SDPA backends of the end-to-end rows: flash (flash, memory-efficient for masked prefill "
+                   "chunks) or torch's default choice")
     p.add_argument("--restart", action="store_true", help="measure afresh instead of continuing --out's run")
     args = p.parse_args(argv)
     unknown = {c for c in args.caches.split(",") if c != "dynamic" and not re.fullmatch(
