@@ -91,15 +91,17 @@ def test_ivf_scan_equals_the_reference(metric):
     same_up_to_ties(*out[0], *out[1])
 
 
-@pytest.mark.parametrize("room", [(3, 256), (0, 0)])  # (0, 0): no room, every query scanned again
-@pytest.mark.parametrize("nq", [1, 3, 40])  # FMAs, MMAs (16 and 64 queries per program)
+# queries: FMAs, then MMAs of 16, 64 and 256 queries per program; room (0, 0): every query scanned again
+@pytest.mark.parametrize("nq, room", [(nq, room) for nq in (1, 3, 40) for room in ((3, 256), (0, 0))]
+                         + [(200, (3, 256))])
 def test_sampled_bound_then_filter(monkeypatch, room, nq):
     """Large scans bound each query's k-th best by the top-k of a sample, keep the rows that reach it, and
     scan overflowing queries again with a running top-k: the same results as the reference."""
     import tqindex.kernels.scan_triton as st
 
     monkeypatch.setattr(st, "SAMPLE_TILES", 1)
-    monkeypatch.setattr(st, "TILES", {q: (16, warps) for q, (_, warps) in st.TILES.items()})
+    for tiles in ("TILES", "TILES_FILTER"):  # 16-row tiles: enough of them in 1500 rows to sample
+        monkeypatch.setattr(st, tiles, {q: (16, warps) for q, (_, warps) in getattr(st, tiles).items()})
     monkeypatch.setattr(st, "SAMPLE_FRACTION", 8)
     monkeypatch.setattr(st, "CAPACITY_FACTOR", room[0])
     monkeypatch.setattr(st, "CAPACITY_EXTRA", room[1])

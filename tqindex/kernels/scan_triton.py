@@ -44,6 +44,10 @@ TILES = {2: (256, 4), 16: (256, 8), 32: (64, 4), 64: (64, 4), 128: (64, 4), 256:
 TILES_TOPK = {2: (256, 4), 16: (256, 8), 32: (64, 8), 64: (64, 8)}
 """The same where each query keeps a running top-k in registers (the flat top-k mode and the IVF lists):
 fewer queries per program and 8 warps, else the score tile, the decoded planes and the top-k state spill."""
+TILES_FILTER = {**TILES, 128: (32, 4), 256: (32, 8)}
+"""The same for the filtering scan and its sample's tile maxima: 32-row tiles from 128 queries on, 8 warps
+at 256 (at 4 warps the filter's hit extraction spilled registers; on an H200 at 10M x 128 tq4 and 4096
+queries its scan took 102 ms instead of 119, at 256 queries 6.8 instead of 8.2)."""
 MODE_TOPK, MODE_FILTER, MODE_MAX, MODE_TILE_MAX = 0, 1, 2, 3
 PROGRAMS_PER_SM = 4
 DECODE_GATHER, DECODE_SELECT, DECODE_PRMT = 0, 1, 2
@@ -293,8 +297,9 @@ def _flat_scan_kernel(CODES, NORM, n, row_bytes, QP, qw, nq, QSCALE, MAG, OUT_V,
             vals, idx = _insert(vals, idx, score, rows, KT, BLOCK_N)
         elif MODE == 1:
             hit = (score >= thr[None, :]) & qmask[None, :]
-            if tl.max(tl.max(hit.to(tl.int32), axis=1), axis=0) > 0:  # hits leave one per column per round
-                left = tl.where(hit, score, float("-inf"))
+            # any hit in the tile (masked rows score -inf, thresholds are finite)
+            if tl.max(tl.max(tl.where(qmask[None, :], score - thr[None, :], float("-inf")), axis=0), axis=0) >= 0:
+                left = tl.where(hit, score, float("-inf"))  # hits leave one per column per round
                 best = tl.max(left, axis=0)
                 while tl.max(best, axis=0) > float("-inf"):
                     take = best > float("-inf")
@@ -436,9 +441,9 @@ class TritonScorer(Scorer):
         self.qp, self.qscale = planar_queries(qs.float(), [RunLayout(*r) for r in self.runs])
         self.decode = default_decode(qs.device) if decode is None else decode
 
-    def _common(self, m: int, topk: bool) -> dict:
-        """Launch constants for m query rows (``topk``: each keeps a running top-k; see TILES)."""
-        tiles = TILES_TOPK if topk else TILES
+    def _common(self, m: int, mode: int) -> dict:
+        """Launch constants for m query rows in scan mode ``mode`` (TILES, TILES_TOPK, TILES_FILTER)."""
+        tiles = TILES_TOPK if mode == MODE_TOPK else TILES_FILTER if mode in (MODE_FILTER, MODE_TILE_MAX) else TILES
         block_q = 2 if m == 1 else min(max(tiles), max(16, next_power_of_2(m)))
         block_n, warps = tiles[block_q]
         return dict(R0=self.runs[0], R1=self.runs[1], R2=self.runs[2], L2=self.l2, DECODE=self.decode,
@@ -454,7 +459,7 @@ class TritonScorer(Scorer):
         sel = slice(None) if rows is None else rows
         qp, qscale = self.qp[sel].contiguous(), self.qscale[sel].contiguous()
         n, m, kt = len(codes), len(qp), 1 if mode == MODE_MAX else candidate_depth(k)  # MODE_MAX: one row
-        common = self._common(m, mode == MODE_TOPK)
+        common = self._common(m, mode)
         block_n, q_blocks = common["BLOCK_N"], cdiv(m, common["BLOCK_Q"])
         sms = multiprocessors(qp.device)
         splits = max(1, min(cdiv(n, 4 * block_n), cdiv(PROGRAMS_PER_SM * sms, q_blocks)))
@@ -490,7 +495,7 @@ class TritonScorer(Scorer):
         keeps the rows that reach it (queries whose candidates overflow are scanned again with a running
         top-k)."""
         n, kt = len(codes), candidate_depth(k)
-        block_n = self._common(self.m if rows is None else len(rows), False)["BLOCK_N"]
+        block_n = self._common(self.m if rows is None else len(rows), MODE_TILE_MAX)["BLOCK_N"]
         sample = max(n // SAMPLE_FRACTION, SAMPLE_TILES * kt * block_n)
         if n <= 2 * sample:
             return self.scan(codes, k, rows)[:2]
@@ -557,7 +562,7 @@ class TritonScorer(Scorer):
             if hasattr(lists, "__dict__"):  # a view cached with its index state keeps its table
                 lists.triton = table
         kt = candidate_depth(top.k)
-        common = self._common(m, True)
+        common = self._common(m, MODE_TOPK)
         block_q = common["BLOCK_Q"]
         flat = probes.reshape(-1)
         order = torch.argsort(flat, stable=True)  # pair slots grouped by list

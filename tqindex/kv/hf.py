@@ -48,17 +48,12 @@ from ..encoder import Encoder, encoder_names, make_encoder
 from ..turboquant import MSE_BITS
 from .attention import compressed_attention, compressed_attention_ref, dense_attention, _scaled_queries
 from .policy import ENCODE_STRIDE, SINK_LENGTH, KVPolicy, encoder_for
-from .store import CompressedTokens, KVStore, encoder_from_key, encoder_key
+from .store import CompressedTokens, KVStore, encoder_from_key, encoder_key, tracing
 
 ATTN_IMPLEMENTATION = "tqindex"
 """Name of the attention implementation registered with transformers."""
 _PRESET = re.compile(r"k(\d)v(\d)")
 logger = logging.get_logger(__name__)
-
-
-def _tracing() -> bool:
-    """Whether torch.compile or torch.export is tracing the calling code."""
-    return torch.compiler.is_compiling() or torch.compiler.is_exporting()
 
 
 def tq_attention_forward(
@@ -83,7 +78,7 @@ def tq_attention_forward(
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     if isinstance(key, CompressedTokens):
         if key.codes.shape[2] > 0:
-            attend = compressed_attention_ref if _tracing() else compressed_attention
+            attend = compressed_attention_ref if tracing() else compressed_attention
             out = attend(query, key, value, attention_mask, scaling, softcap=softcap, causal=causal)
             return out.transpose(1, 2).contiguous(), None
         query = _scaled_queries(query, key).to(query.dtype)  # the window holds keys as the codes would
@@ -170,7 +165,7 @@ class TQLayer(CacheLayerMixin):
         if getattr(self.config, "_attn_implementation", None) == ATTN_IMPLEMENTATION:
             held = self.store.view()
         else:
-            if not _tracing():
+            if not tracing():
                 logger.warning_once(_decoding_warning(self.config))
             held = self.store.materialize(key_states.dtype)
         if self.settles:  # the chunk stays in full precision in ``held`` only, for this step's attention

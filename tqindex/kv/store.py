@@ -31,11 +31,12 @@ unchanged, while the codes' error, spread evenly over the channels of the held k
 lands on the scores in proportion to ``||q s|| · ||k / s||`` instead of ``||q|| · ||k||``; channels where
 keys are large and queries small (and the reverse) stop dominating it.
 
-Encoding goes through the PyTorch operator ``tqindex::encode_tokens`` (:func:`encode_tokens`), which
-``torch.compile`` and ``torch.export`` treat as one opaque call: nothing in an append reads the data on
-the host, so a decode step compiles into one graph and never waits for the device. The tokens are
-not checked for NaN or inf (that check would read every key back from the device at every step);
-they come from the model, and the codes of a non-finite vector are meaningless.
+Traced encoding goes through the PyTorch operator ``tqindex::encode_tokens`` (:func:`encode_tokens`),
+which ``torch.compile`` and ``torch.export`` treat as one opaque call (eager code calls the encoder
+directly, without the operator's dispatch): nothing in an append reads the data on the host, so a
+decode step compiles into one graph and never waits for the device. The tokens are not checked for NaN
+or inf (that check would read every key back from the device at every step); they come from the model,
+and the codes of a non-finite vector are meaningless.
 """
 
 from __future__ import annotations
@@ -115,10 +116,17 @@ def encoder_from_key(key: str) -> Encoder:
     return encoder
 
 
-@torch.library.custom_op("tqindex::encode_tokens", mutates_args=())
-def _encode_tokens_op(x: Tensor, encoder: str) -> list[Tensor]:
+def tracing() -> bool:
+    """Whether torch.compile or torch.export is tracing the calling code."""
+    return torch.compiler.is_compiling() or torch.compiler.is_exporting()
+
+
+def _encode_planes(x: Tensor, encoder: str) -> list[Tensor]:
     """x [N, dim] float32 -> the planes of ``encode_valid(x)`` in :data:`_LAYOUTS` order."""
     return [t.contiguous() for _, t in encoder_from_key(encoder).encode_valid(x).planes()]
+
+
+_encode_tokens_op = torch.library.custom_op("tqindex::encode_tokens", _encode_planes, mutates_args=())
 
 
 @_encode_tokens_op.register_fake
@@ -127,11 +135,12 @@ def _encode_tokens_fake(x: Tensor, encoder: str) -> list[Tensor]:
 
 
 def encode_tokens(encoder: Encoder, x: Tensor, key: str | None = None) -> Codes:
-    """Encode float vectors x [..., dim] -> Codes [...] by ``encoder.encode_valid`` inside the operator
-    ``tqindex::encode_tokens``: no checks of the values (see the module docstring). ``key``:
-    ``encoder_key(encoder)`` when already known."""
+    """Encode float vectors x [..., dim] -> Codes [...] by ``encoder.encode_valid`` (inside the operator
+    ``tqindex::encode_tokens`` while torch.compile or torch.export traces): no checks of the values (see
+    the module docstring). ``key``: ``encoder_key(encoder)`` when already known."""
     key = encoder_key(encoder) if key is None else key
-    planes = torch.ops.tqindex.encode_tokens(x.reshape(-1, encoder.dim).float().contiguous(), key)
+    rows = x.reshape(-1, encoder.dim).float().contiguous()
+    planes = torch.ops.tqindex.encode_tokens(rows, key) if tracing() else _encode_planes(rows, key)
     return _codes(key, planes).reshape(*x.shape[:-1])
 
 
