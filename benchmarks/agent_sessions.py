@@ -72,6 +72,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _env  # noqa: E402
 import _lm  # noqa: E402
 import _run  # noqa: E402
+import _sdpa  # noqa: E402
 
 from tqindex.kv import FP8Cache, SessionStore, TQCache  # noqa: E402  (registers the "tqindex" attention)
 
@@ -409,7 +410,8 @@ def markdown(data: dict[str, Any]) -> str:
         f"{w['mean_answer']:.0f}; {a['decode_tokens']} decoded one by one, the rest appended); system prompt "
         f"{a['system_tokens'][0]}-{a['system_tokens'][1]}. Contexts reach {w['final_context_median']:,} tokens "
         f"(median; max {w['final_context_max']:,}). Late rounds: {a['late_round']} on. Model {m['name']}, "
-        f"{m['layers']} layers, {m['kv_heads']} KV heads x {m['head_dim']}, {m['dtype']}, {m['device']}.",
+        f"{m['layers']} layers, {m['kv_heads']} KV heads x {m['head_dim']}, {m['dtype']}, {m['device']}; SDPA "
+        f"backends: {a.get('sdpa', 'default')} (`--sdpa`).",
         "",
         f"git {env['git_sha'][:12]}{' (dirty)' if env['git_dirty'] else ''}, torch {env['versions']['torch']}, "
         f"transformers {env['versions']['transformers']}, {hw}, {env['date_utc']}."
@@ -533,6 +535,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--late-round", type=int, default=None, help="first round counted as late")
     p.add_argument("--stream-tokens", type=int, default=None, help="tokens of the streamed agreement check "
                    "(SmolLM2 only; 0: skip)")
+    p.add_argument("--sdpa", choices=_sdpa.BACKENDS, default=None, help="SDPA backends of the sdpa attention "
+                   "(dense caches, TQCache's dense layers and -sdpa prefills): flash (flash, memory-efficient for "
+                   "masked prefills) or torch's default choice (default: flash on CUDA, torch's choice elsewhere)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--out", default=None, help="run folder (default: a new benchmarks/runs/agent_sessions-<time>/); "
@@ -548,6 +553,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, key, span(value, key) if key.endswith("_tokens") and isinstance(value, str)
                     else parse_bytes(value) if key == "budget" else value)
     args.caches = args.caches or list(QUICK_CACHES if args.quick else DEFAULT_CACHES)
+    args.sdpa = args.sdpa or ("flash" if torch.device(args.device).type == "cuda" else "default")
     if args.model != "smollm2":
         args.stream_tokens = 0
     for name in ("sessions", "rounds", "decode_tokens", "late_round", "threads"):
@@ -637,7 +643,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         run["summary"] = summarize(run["rows"], args.late_round)
                         save()
 
-                run.update(run_cache(name, model, tokens, workload, args, reference, on_turn))
+                with _sdpa.backends(args.sdpa):
+                    run.update(run_cache(name, model, tokens, workload, args, reference, on_turn))
                 run["summary"] = summarize(run["rows"], args.late_round)
                 run["complete"] = True
                 save()

@@ -32,7 +32,6 @@ Results: ``gpu_attention.json`` (rewritten after every measurement) and ``gpu_at
 from __future__ import annotations
 
 import argparse
-import contextlib
 import re
 import sys
 import time
@@ -46,6 +45,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _env  # noqa: E402
+import _sdpa  # noqa: E402
 import _run  # noqa: E402
 from _gpu import bench, roofline  # noqa: E402
 
@@ -69,10 +69,6 @@ WARMUP_STEPS, DECODE_STEPS = 16, 32
 """Decode steps before the timed ones (a whole ``encode_stride`` of window lengths: what they compile is
 compiled), and timed consecutive steps (:func:`decode_ms`)."""
 GiB = 1 << 30
-SDPA_BACKENDS = {"flash": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION], "default": None}
-"""``--sdpa``: the SDPA backends the end-to-end rows allow (DynamicCache's attention and TQCache's dense layers).
-"flash": flash attention, memory-efficient attention where a mask needs it (prefill chunks); "default": torch's
-own choice (on the H200's torch 2.11 that builds a new cuDNN plan at every new sequence length)."""
 
 
 def compressed(encoder: tq.Encoder, x: Tensor) -> CompressedTokens:
@@ -214,12 +210,6 @@ def decode_ms(model: Any, cache: Any, batch: int, device: torch.device) -> float
     return a.elapsed_time(b) / DECODE_STEPS
 
 
-def sdpa(args: argparse.Namespace) -> Any:
-    """The context in which end-to-end rows run: SDPA restricted to ``--sdpa``'s backends (``SDPA_BACKENDS``)."""
-    backends = SDPA_BACKENDS[args.sdpa]
-    return contextlib.nullcontext() if backends is None else sdpa_kernel(backends)
-
-
 def e2e_rows(results: _run.Results, device: torch.device, args: argparse.Namespace) -> None:
     """End-to-end and fixed-budget rows (module notes)."""
     layers = 4 if args.quick else 32
@@ -236,7 +226,7 @@ def e2e_rows(results: _run.Results, device: torch.device, args: argparse.Namespa
             torch.cuda.reset_peak_memory_stats()
             cache = make_cache(kind, model)
             try:
-                with sdpa(args):
+                with _sdpa.backends(args.sdpa):
                     prefill_s = fill(model, cache, batch, context, prefill, device)
                     step = decode_ms(model, cache, batch, device)
             except torch.OutOfMemoryError:
@@ -268,7 +258,7 @@ def e2e_rows(results: _run.Results, device: torch.device, args: argparse.Namespa
         torch.cuda.empty_cache()
         cache = make_cache(kind, model)
         try:
-            with sdpa(args):
+            with _sdpa.backends(args.sdpa):
                 fill(model, cache, batch, context, False, device)
                 step = decode_ms(model, cache, batch, device)
             row = {"tokens_held": tokens, "batch": batch, "context": context, "step_ms": step,
@@ -337,9 +327,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--caches", default="dynamic,tq4,tq4-p0,k8v4,tq3",
                    help="caches of the end-to-end rows: dynamic, or a TQCache preset (" + ", ".join(PRESETS)
                    + ") with an optional -pN (N dense layers at each end; default 2)")
-    p.add_argument("--sdpa", choices=SDPA_BACKENDS, default="flash",
-                   help="SDPA backends of the end-to-end rows: flash (flash, memory-efficient for masked prefill "
-                   "chunks) or torch's default choice")
+    p.add_argument("--sdpa", choices=_sdpa.BACKENDS, default="flash",
+                   help="SDPA backends of the end-to-end rows (DynamicCache, TQCache's dense layers): flash (flash, "
+                   "memory-efficient for masked prefill chunks) or torch's default choice")
     p.add_argument("--restart", action="store_true", help="measure afresh instead of continuing --out's run")
     args = p.parse_args(argv)
     unknown = {c for c in args.caches.split(",") if c != "dynamic" and not re.fullmatch(
