@@ -45,8 +45,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _env  # noqa: E402
-import _sdpa  # noqa: E402
 import _run  # noqa: E402
+import _sdpa  # noqa: E402
 from _gpu import bench, roofline  # noqa: E402
 
 import tqindex as tq  # noqa: E402
