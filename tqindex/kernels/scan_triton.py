@@ -296,9 +296,9 @@ def _flat_scan_kernel(CODES, NORM, n, row_bytes, QP, qw, nq, QSCALE, MAG, OUT_V,
         if MODE == 0:
             vals, idx = _insert(vals, idx, score, rows, KT, BLOCK_N)
         elif MODE == 1:
-            hit = (score >= thr[None, :]) & qmask[None, :]
             # any hit in the tile (masked rows score -inf, thresholds are finite)
             if tl.max(tl.max(tl.where(qmask[None, :], score - thr[None, :], float("-inf")), axis=0), axis=0) >= 0:
+                hit = (score >= thr[None, :]) & qmask[None, :]
                 left = tl.where(hit, score, float("-inf"))  # hits leave one per column per round
                 best = tl.max(left, axis=0)
                 while tl.max(best, axis=0) > float("-inf"):
