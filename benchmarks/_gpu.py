@@ -29,6 +29,12 @@ def bench(fn: Callable[[], Any], budget_s: float = 1.0, min_runs: int = 5, max_r
     return float(np.median(times))
 
 
+def gpu_time(fn: Callable[[], Any]) -> float:
+    """Median milliseconds of ``fn()`` on the GPU with calls queued back to back (L2 flushed before each):
+    the device's time, without the host's launch time that :func:`bench` includes (``triton.testing.do_bench``)."""
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
 @triton.jit
 def _read_kernel(X, OUT, n, BLOCK: tl.constexpr):
     pid = tl.program_id(0)

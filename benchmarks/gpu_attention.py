@@ -8,7 +8,9 @@ Every number comes from one run on one GPU:
   (32 query / 8 KV heads, head_dim 128) and (9 / 3, head_dim 64): bf16 SDPA (flash backend, GQA),
   "dequantize the codes, then SDPA", and the kernel for tq4, tq3, k8v4 and fp4 codes; TB/s of the
   bytes each reads (bf16 K/V, or codes with their scales) against the roofline, and the kernel's error
-  against float32 attention over the decoded codes;
+  against float32 attention over the decoded codes; each call timed alone (CUDA events around one call
+  after the previous one finished: the host's launch time included) and as GPU time (calls queued back to
+  back, ``triton.testing.do_bench``);
 - end to end, a randomly initialized Llama-8B-shaped model (32 layers, bf16): decode step time (CUDA
   events around 32 consecutive one-token steps after 16 warm-up steps, their mean: the cache grows as in
   real decoding, TQCache's layers encode the tokens that leave their windows in these steps, then it is
@@ -47,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _env  # noqa: E402
 import _run  # noqa: E402
 import _sdpa  # noqa: E402
-from _gpu import bench, roofline  # noqa: E402
+from _gpu import bench, gpu_time, roofline  # noqa: E402
 
 import tqindex as tq  # noqa: E402
 from tqindex.kv import TQCache  # noqa: E402
@@ -96,8 +98,10 @@ def kernel_rows(results: _run.Results, device: torch.device, quick: bool) -> Non
                 q = torch.randn(b, hq, 1, d, generator=g, device=device, dtype=torch.bfloat16)
                 scaling = d**-0.5
                 with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                    sdpa_ms = bench(lambda: F.scaled_dot_product_attention(q, k, v, scale=scaling, enable_gqa=True))
-                row: dict[str, Any] = {"sdpa_ms": sdpa_ms, "sdpa_TBps": dense_bytes / sdpa_ms / 1e9}
+                    sdpa = lambda: F.scaled_dot_product_attention(q, k, v, scale=scaling, enable_gqa=True)  # noqa: E731
+                    sdpa_ms, sdpa_gpu_ms = bench(sdpa), gpu_time(sdpa)
+                row: dict[str, Any] = {"sdpa_ms": sdpa_ms, "sdpa_TBps": dense_bytes / sdpa_ms / 1e9,
+                                       "sdpa_gpu_ms": sdpa_gpu_ms, "sdpa_gpu_TBps": dense_bytes / sdpa_gpu_ms / 1e9}
                 for name, (ke, ve) in PRESETS.items():
                     keys = compressed(tq.make_encoder(ke, d), k)  # encoded by the GPU kernels where they exist
                     values = compressed(tq.make_encoder(ve, d), v)
@@ -108,17 +112,20 @@ def kernel_rows(results: _run.Results, device: torch.device, quick: bool) -> Non
                         return F.scaled_dot_product_attention(q, kd, vd, scale=scaling, enable_gqa=True)
 
                     entry: dict[str, Any] = {"code_bytes": code_bytes, "dequantize_sdpa_ms": bench(dequantized)}
+                    ours = lambda: compressed_attention(q, keys, values, None, scaling, backend="triton")  # noqa: E731
                     try:
-                        ms = bench(lambda: compressed_attention(q, keys, values, None, scaling, backend="triton"))
+                        ms = bench(ours)
                     except ValueError as err:  # no kernel reads these codes
                         entry["kernel"] = str(err)
                     else:
+                        gpu_ms = gpu_time(ours)
                         out = compressed_attention(q, keys, values, None, scaling, backend="triton").float()
                         sl = slice(0, 1)  # the error on batch row 0 (the reference holds float32 copies)
                         ref = dense_attention(q[sl].float(), keys.materialize(torch.float32)[sl],
                                               values.materialize(torch.float32)[sl], None, scaling)
                         entry.update(ms=ms, TBps=code_bytes / ms / 1e9, roofline_fraction=code_bytes / ms / 1e9 / roof,
-                                     speedup_vs_sdpa=sdpa_ms / ms,
+                                     speedup_vs_sdpa=sdpa_ms / ms, gpu_ms=gpu_ms, gpu_TBps=code_bytes / gpu_ms / 1e9,
+                                     gpu_speedup_vs_sdpa=sdpa_gpu_ms / gpu_ms,
                                      rel_error=float((out[sl] - ref).norm() / ref.norm()))
                     row[name] = entry
                     del keys, values
@@ -126,8 +133,8 @@ def kernel_rows(results: _run.Results, device: torch.device, quick: bool) -> Non
                 results.save()
                 tq4 = row["tq4"]
                 print(f"{key}: sdpa {sdpa_ms:.3f} ms; tq4 {tq4.get('ms', float('nan')):.3f} ms "
-                      f"({tq4.get('speedup_vs_sdpa', float('nan')):.2f}x, {tq4.get('TBps', float('nan')):.2f} TB/s)",
-                      flush=True)
+                      f"({tq4.get('speedup_vs_sdpa', float('nan')):.2f}x, {tq4.get('TBps', float('nan')):.2f} TB/s); "
+                      f"GPU time sdpa {sdpa_gpu_ms:.3f} ms, tq4 {tq4.get('gpu_ms', float('nan')):.3f} ms", flush=True)
                 del k, v, q
 
 
@@ -290,6 +297,17 @@ def markdown(data: dict) -> str:
                      for e in (row[p] for p in PRESETS)]
             lines.append(f"| {key} | {row['sdpa_ms']:.3f} ({row['sdpa_TBps']:.2f}) | " + " | ".join(cells)
                          + f" | {row['tq4']['dequantize_sdpa_ms']:.3f} |")
+        lines += ["", "Above: each call timed alone (the host's launch time included). Below: GPU time, calls queued "
+                  "back to back with L2 flushed before each (`triton.testing.do_bench`, median).", "",
+                  "| shape | bf16 SDPA ms (TB/s) | " + " | ".join(f"{p} ms (TB/s, x SDPA)" for p in PRESETS) + " |",
+                  "|---|--:|" + "--:|" * len(PRESETS)]
+        for key, row in data["kernel"].items():
+            if "sdpa_gpu_ms" not in row:
+                continue
+            cells = [f"{e['gpu_ms']:.3f} ({e['gpu_TBps']:.2f}, {e['gpu_speedup_vs_sdpa']:.2f}x)"
+                     for e in (row[p] for p in PRESETS)]
+            lines.append(f"| {key} | {row['sdpa_gpu_ms']:.3f} ({row['sdpa_gpu_TBps']:.2f}) | " + " | ".join(cells)
+                         + " |")
         lines.append("")
     if data["e2e"]:
         backends = data["args"].get("sdpa", "default")
