@@ -297,13 +297,13 @@ def markdown(data: dict) -> str:
                      for e in (row[p] for p in PRESETS)]
             lines.append(f"| {key} | {row['sdpa_ms']:.3f} ({row['sdpa_TBps']:.2f}) | " + " | ".join(cells)
                          + f" | {row['tq4']['dequantize_sdpa_ms']:.3f} |")
-        lines += ["", "Above: each call timed alone (the host's launch time included). Below: GPU time, calls queued "
-                  "back to back with L2 flushed before each (`triton.testing.do_bench`, median).", "",
-                  "| shape | bf16 SDPA ms (TB/s) | " + " | ".join(f"{p} ms (TB/s, x SDPA)" for p in PRESETS) + " |",
-                  "|---|--:|" + "--:|" * len(PRESETS)]
-        for key, row in data["kernel"].items():
-            if "sdpa_gpu_ms" not in row:
-                continue
+        timed = {key: row for key, row in data["kernel"].items() if "sdpa_gpu_ms" in row}  # (older runs: none)
+        if timed:
+            lines += ["", "Above: each call timed alone (the host's launch time included). Below: GPU time, calls "
+                      "queued back to back with L2 flushed before each (`triton.testing.do_bench`, median).", "",
+                      "| shape | bf16 SDPA ms (TB/s) | " + " | ".join(f"{p} ms (TB/s, x SDPA)" for p in PRESETS) + " |",
+                      "|---|--:|" + "--:|" * len(PRESETS)]
+        for key, row in timed.items():
             cells = [f"{e['gpu_ms']:.3f} ({e['gpu_TBps']:.2f}, {e['gpu_speedup_vs_sdpa']:.2f}x)"
                      for e in (row[p] for p in PRESETS)]
             lines.append(f"| {key} | {row['sdpa_gpu_ms']:.3f} ({row['sdpa_gpu_TBps']:.2f}) | " + " | ".join(cells)
