@@ -29,10 +29,27 @@ def bench(fn: Callable[[], Any], budget_s: float = 1.0, min_runs: int = 5, max_r
     return float(np.median(times))
 
 
-def gpu_time(fn: Callable[[], Any]) -> float:
-    """Median milliseconds of ``fn()`` on the GPU with calls queued back to back (L2 flushed before each):
-    the device's time, without the host's launch time that :func:`bench` includes (``triton.testing.do_bench``)."""
-    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+def gpu_time(fn: Callable[[], Any], runs: int = 50) -> float:
+    """Median milliseconds of ``fn()`` on the GPU alone: the call captured once as a CUDA graph, then replayed
+    ``runs`` times, each replay between CUDA events with the L2 cache flushed before it (a 256 MiB write), so
+    neither the host's launch time nor a warm cache shows."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture (compiles, cached tables)
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(runs)]
+    for a, b in events:
+        flush.zero_()
+        a.record()
+        graph.replay()
+        b.record()
+    torch.cuda.synchronize()
+    return float(np.median([a.elapsed_time(b) for a, b in events]))
 
 
 @triton.jit

@@ -9,8 +9,8 @@ Every number comes from one run on one GPU:
   "dequantize the codes, then SDPA", and the kernel for tq4, tq3, k8v4 and fp4 codes; TB/s of the
   bytes each reads (bf16 K/V, or codes with their scales) against the roofline, and the kernel's error
   against float32 attention over the decoded codes; each call timed alone (CUDA events around one call
-  after the previous one finished: the host's launch time included) and as GPU time (calls queued back to
-  back, ``triton.testing.do_bench``);
+  after the previous one finished: the host's launch time included) and as GPU time (the call replayed
+  from a CUDA graph, L2 flushed before each replay: ``_gpu.gpu_time``);
 - end to end, a randomly initialized Llama-8B-shaped model (32 layers, bf16): decode step time (CUDA
   events around 32 consecutive one-token steps after 16 warm-up steps, their mean: the cache grows as in
   real decoding, TQCache's layers encode the tokens that leave their windows in these steps, then it is
@@ -299,8 +299,8 @@ def markdown(data: dict) -> str:
                          + f" | {row['tq4']['dequantize_sdpa_ms']:.3f} |")
         timed = {key: row for key, row in data["kernel"].items() if "sdpa_gpu_ms" in row}  # (older runs: none)
         if timed:
-            lines += ["", "Above: each call timed alone (the host's launch time included). Below: GPU time, calls "
-                      "queued back to back with L2 flushed before each (`triton.testing.do_bench`, median).", "",
+            lines += ["", "Above: each call timed alone (the host's launch time included). Below: GPU time, the call "
+                      "replayed from a CUDA graph with L2 flushed before each replay (median of 50).", "",
                       "| shape | bf16 SDPA ms (TB/s) | " + " | ".join(f"{p} ms (TB/s, x SDPA)" for p in PRESETS) + " |",
                       "|---|--:|" + "--:|" * len(PRESETS)]
         for key, row in timed.items():
