@@ -34,19 +34,5 @@ def test_attention_results_pages_are_their_json_rendered(monkeypatch, stem):
     page = gpu_attention.markdown(data)
     assert page == (results / f"{stem}.md").read_text()
     assert ("## Kernel level" in page) == bool(data["kernel"]) and ("## End to end" in page) == bool(data["e2e"])
-
-
-def test_attention_kernel_page_shows_gpu_times_where_a_run_took_them(monkeypatch):
-    """Rows with GPU times (calls queued back to back) get a second table, one line per shape."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    import gpu_attention
-
-    data = json.loads((ROOT / "benchmarks" / "results" / "gpu_attention_kernels_h200.json").read_text())
-    for row in data["kernel"].values():
-        row.update(sdpa_gpu_ms=row["sdpa_ms"] / 2, sdpa_gpu_TBps=row["sdpa_TBps"] * 2)
-        for name in gpu_attention.PRESETS:
-            e = row[name]
-            e.update(gpu_ms=e["ms"] / 2, gpu_TBps=e["TBps"] * 2, gpu_speedup_vs_sdpa=e["speedup_vs_sdpa"])
-    page = gpu_attention.markdown(data)
-    gpu_table = page.split("Below: GPU time")[1].split("## ")[0]
-    assert all(f"| {key} | {row['sdpa_gpu_ms']:.3f} " in gpu_table for key, row in data["kernel"].items())
+    gpu_timed = [key for key, row in data["kernel"].items() if "sdpa_gpu_ms" in row]
+    assert page.count("Below: GPU time") == bool(gpu_timed) and all(page.count(f"| {key} |") == 2 for key in gpu_timed)
