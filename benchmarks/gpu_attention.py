@@ -303,11 +303,11 @@ def markdown(data: dict) -> str:
                       "replayed from a CUDA graph with L2 flushed before each replay (median of 50).", "",
                       "| shape | bf16 SDPA ms (TB/s) | " + " | ".join(f"{p} ms (TB/s, x SDPA)" for p in PRESETS) + " |",
                       "|---|--:|" + "--:|" * len(PRESETS)]
-        for key, row in timed.items():
-            cells = [f"{e['gpu_ms']:.3f} ({e['gpu_TBps']:.2f}, {e['gpu_speedup_vs_sdpa']:.2f}x)"
-                     for e in (row[p] for p in PRESETS)]
-            lines.append(f"| {key} | {row['sdpa_gpu_ms']:.3f} ({row['sdpa_gpu_TBps']:.2f}) | " + " | ".join(cells)
-                         + " |")
+            for key, row in timed.items():
+                cells = [f"{e['gpu_ms']:.3f} ({e['gpu_TBps']:.2f}, {e['gpu_speedup_vs_sdpa']:.2f}x)"
+                         for e in (row[p] for p in PRESETS)]
+                lines.append(f"| {key} | {row['sdpa_gpu_ms']:.3f} ({row['sdpa_gpu_TBps']:.2f}) | "
+                             + " | ".join(cells) + " |")
         lines.append("")
     if data["e2e"]:
         backends = data["args"].get("sdpa", "default")
