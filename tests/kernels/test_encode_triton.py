@@ -55,6 +55,18 @@ def test_codes_equal_the_reference(name, dim, n):
     check(tq.make_encoder(name, dim), x.to(DEVICE))
 
 
+def test_both_kernels_are_exercised_by_these_tests():
+    """One-run codes of at most 4 bits up to dim 128 go to the register kernel; the cases above cover both."""
+    from tqindex.kernels.encode_triton import in_registers
+    from tqindex.kernels.planes import run_layouts
+
+    def rows_kernel(name, dim):
+        return in_registers(run_layouts(tq.make_encoder(name, dim).code_runs())[0], dim)
+
+    assert all(rows_kernel(*c) for c in [("tq4", 64), ("tq4", 50), ("tq1", 60), ("tq3", 45), ("tq4-norm", 128)])
+    assert not any(rows_kernel(*c) for c in [("tq2", 130), ("tq8", 64), ("tq4", 384), ("tq2", 1536)])
+
+
 def test_trained_runs_of_several_widths():
     g = torch.Generator().manual_seed(3)
     x = (torch.randn(300, 48, generator=g) * torch.exp(-torch.arange(48) / 8)).to(DEVICE)

@@ -1,21 +1,32 @@
-"""GPU encoding of direction codes (TurboQuantMSE, TurboQuantPCA) in one kernel, in Triton.
+"""GPU encoding of direction codes (TurboQuantMSE, TurboQuantPCA), in Triton.
 
-A persistent program takes blocks of BLOCK_N rows and, for each plane of each run (``planes.py``),
-computes that plane of the rotated rows ``y = R x`` as one MMA with the rotation's matching rows (fp32
-accuracy: three tf32 MMAs on GPUs) into its own scratch rows (in L2), so no register slicing is needed
-and each MMA runs once. Two passes over the planes follow:
+Two kernels, each one pass over the input; both return what
+:func:`tqindex.directions.encode_directions_reference` returns: packed codes, ``||y||``, ``<u, c>`` and
+``||c||²`` of the chosen code.
+
+:func:`_encode_rows_kernel` (one coded run covering every coordinate, at most 4 bits, dims up to
+ROWS_MAX_DIM: TurboQuantMSE's usual codes) holds a block of rows in registers in natural coordinate order:
+``y = x Rᵀ`` in one MMA (fp32 accuracy: three tf32 MMAs on GPUs), ``u = |y| / ||x||``, then for every
+pre-scale alpha the level of each coordinate by comparisons of ``|u|`` with the codebook's positive
+boundaries divided by alpha (ascending: the last boundary exceeded sets the level) and the cosine
+``<u, c> / ||c||`` of the row; the best alpha's codes (``2^(b-1) + m`` for positive coordinates,
+``2^(b-1) - 1 - m`` for the others) are summed by shifts into one word per group of ``planes``
+consecutive coordinates and stored byte by byte.
+
+:func:`_encode_kernel` (any runs, any dim) takes blocks of BLOCK_N rows and, for each plane of each run
+(``planes.py``), computes that plane of the rotated rows as one MMA with the rotation's matching rows into
+its own scratch rows (in L2), so no register slicing is needed and each MMA runs once. Two passes over
+the planes follow:
 
 1. the direction search: for every pre-scale alpha, the magnitude index of each coordinate of
-   ``|u| = |y| / ||x||`` is the number of the codebook's positive boundaries below ``alpha |u|``
-   (compared with ``boundary / alpha``, precomputed), and ``<u, c>`` and ``||c||²`` are summed per row;
-   the best alpha maximizes ``<u, c> / ||c||`` (the first on ties);
-2. the codes for that alpha (``2^(b-1) + m`` for positive coordinates, ``2^(b-1) - 1 - m`` for the
-   others), packed: the planes of a group are shifted into one byte (three bytes for 3-bit codes) and
-   stored.
+   ``|u| = |y| / ||x||`` is the number of the codebook's positive boundaries below ``alpha |u|``,
+   and ``<u, c>`` and ``||c||²`` are summed per row; the best alpha maximizes ``<u, c> / ||c||`` (the
+   first on ties);
+2. the codes for that alpha, packed: the planes of a group are shifted into one byte (three bytes for
+   3-bit codes) and stored.
 
-It returns what :func:`tqindex.directions.encode_directions_reference` returns: packed codes, ``||y||``,
-``<u, c>`` and ``||c||²`` of the chosen code. Large-dim Hadamard rotations are applied first by torch's
-butterflies (``ROTATE=False`` then reads the rotated rows' planar columns directly).
+Large-dim Hadamard rotations are applied first by torch's butterflies (``ROTATE=False`` then reads the
+rotated rows directly).
 """
 
 from __future__ import annotations
@@ -40,6 +51,20 @@ BLOCK_K = 32
 MAX_ALPHAS = 8
 PROGRAMS_PER_SM = 4
 NUM_WARPS = 8
+ROWS_MAX_DIM = 128
+"""Dims (padded to a power of two) up to which one-run codes are encoded with rows held in registers (at 256
+the rotation operand no longer fits in shared memory)."""
+ROWS_ELEMENTS = 4096
+"""Row elements per block of the register kernel (32 rows at d = 128)."""
+
+
+@triton.jit
+def _row_scales(amax):
+    """Powers of two (scale, 1 / scale) per row that bring its largest coordinate ``amax`` near 1 (exact),
+    so no sum of squares under- or overflows; the codes are those of the rows as given, the norm is scaled
+    back."""
+    e = tl.minimum(tl.maximum(127 - ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF), -126), 126)
+    return ((e + 127) << 23).to(tl.float32, bitcast=True), ((127 - e) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -143,11 +168,7 @@ def _encode_kernel(X, XN, RP, SCRATCH, n, d, pw, MAG, BND, ALPHAS, OUT, row_byte
             xk = tl.load(XN + rows[:, None].to(tl.int64) * d + k[None, :], mask=rmask[:, None] & (k[None, :] < d),
                          other=0.0)
             amax = tl.maximum(amax, tl.max(tl.abs(xk), axis=1))
-        # Rows are scaled by a power of two that brings their largest coordinate near 1 (exact), so no sum
-        # of squares under- or overflows; the codes are those of the rows as given, the norm is scaled back.
-        e = tl.minimum(tl.maximum(127 - ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF), -126), 126)
-        scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
-        unscale = ((127 - e) << 23).to(tl.float32, bitcast=True)
+        scale, unscale = _row_scales(amax)
         ss = tl.zeros((BLOCK_N,), tl.float32)
         for k0 in range(0, DK, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
@@ -195,6 +216,66 @@ def _encode_kernel(X, XN, RP, SCRATCH, n, d, pw, MAG, BND, ALPHAS, OUT, row_byte
         tl.store(SQ + rows, sq, mask=rmask)
 
 
+@triton.jit
+def _encode_rows_kernel(X, XN, RT, THR, MAG, ALPHAS, OUT, NORM, DOT, SQ, n, d, row_bytes, R: tl.constexpr,
+                        A: tl.constexpr, ROTATE: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr,
+                        PRECISION: tl.constexpr):
+    """Persistent program over row blocks of one coded run covering every coordinate, in natural order,
+    each block held in registers: X [n, d] (ROTATE: rotated here, ``y = x RT`` with RT float32 [DP, DP],
+    the rotation's transpose, zero padded; else the rotated rows), XN [n, d] the rows as given (norms).
+    THR [A, H]: the positive boundaries divided by each pre-scale (the direction search compares |u| with
+    them); the codes of a group (``planes`` consecutive coordinates) are summed into one word by shifts."""
+    BITS: tl.constexpr = R[0]
+    GB: tl.constexpr = R[1]
+    P: tl.constexpr = R[2]
+    NBYTES: tl.constexpr = R[8]
+    W: tl.constexpr = R[10]
+    H: tl.constexpr = 1 << (BITS - 1)
+    pid, programs = tl.program_id(0), tl.num_programs(0)
+    col = tl.arange(0, DP)
+    valid_col = col < W
+    shift = (tl.arange(0, P) * BITS)[None, None, :]
+    g = tl.arange(0, DP // P)
+    for blk in range(pid, tl.cdiv(n, BLOCK_N), programs):
+        rows = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+        rmask = rows < n
+        inside = rmask[:, None] & (col[None, :] < d)
+        xn = tl.load(XN + rows[:, None].to(tl.int64) * d + col[None, :], mask=inside, other=0.0)
+        scale, unscale = _row_scales(tl.max(tl.abs(xn), axis=1))
+        xs = xn * scale[:, None]
+        norm = tl.sqrt(tl.sum(xs * xs, axis=1))
+        inv = 1.0 / tl.where(norm > 0, norm, 1.0)
+        if ROTATE:
+            y = tl.dot(xs, tl.load(RT + col[:, None] * DP + col[None, :]), input_precision=PRECISION)
+        else:
+            y = tl.load(X + rows[:, None].to(tl.int64) * d + col[None, :], mask=inside, other=0.0) * scale[:, None]
+        u = tl.abs(y) * inv[:, None]
+        best = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+        best_a = tl.zeros((BLOCK_N,), tl.int32)
+        for a in tl.static_range(A):
+            mag = tl.zeros((BLOCK_N, DP), tl.float32) + tl.load(MAG)
+            for j in tl.static_range(H - 1):  # thresholds ascend: the last one |u| exceeds sets the level
+                mag = tl.where(u > tl.load(THR + a * H + j), tl.load(MAG + j + 1), mag)
+            mag = tl.where(valid_col[None, :], mag, 0.0)
+            cos = tl.sum(u * mag, axis=1) / tl.sqrt(tl.maximum(tl.sum(mag * mag, axis=1), 1e-30))
+            better = cos > best  # the first pre-scale of equal cosines
+            best = tl.where(better, cos, best)
+            best_a = tl.where(better, a, best_a)
+        m = tl.zeros((BLOCK_N, DP), tl.int32)
+        for j in tl.static_range(H - 1):
+            m += (u > tl.load(THR + best_a * H + j)[:, None]).to(tl.int32)
+        mag = tl.where(valid_col[None, :], _magnitude(m, MAG, H), 0.0)
+        code = tl.where(valid_col[None, :], tl.where(y > 0, H + m, H - 1 - m), 0)
+        word = tl.sum(tl.reshape(code, (BLOCK_N, DP // P, P)) << shift, axis=2)  # [BLOCK_N, groups]
+        base = OUT + rows[:, None].to(tl.int64) * row_bytes + g[None, :] * GB
+        for b in tl.static_range(GB):  # the bytes of each group
+            ok = rmask[:, None] & ((g * GB + b) < NBYTES)[None, :]
+            tl.store(base + b, ((word >> (8 * b)) & 0xFF).to(tl.uint8), mask=ok)
+        tl.store(NORM + rows, norm * unscale, mask=rmask)
+        tl.store(DOT + rows, tl.sum(u * mag, axis=1), mask=rmask)
+        tl.store(SQ + rows, tl.sum(mag * mag, axis=1), mask=rmask)
+
+
 @lru_cache(maxsize=32)
 def _planar_rotation(rotation: Any, layouts: tuple[RunLayout, ...]) -> Tensor:
     """The rotation's rows in planar order as MMA operand: float32 [dim, plane_width] (zero columns where
@@ -205,43 +286,75 @@ def _planar_rotation(rotation: Any, layouts: tuple[RunLayout, ...]) -> Tensor:
 
 
 @lru_cache(maxsize=32)
-def _run_tables(runs: tuple[Any, ...], alphas: Tensor) -> tuple[list[RunLayout], Tensor, Tensor, Tensor]:
-    """The runs' layouts, magnitudes and boundaries, and the pre-scales, on the device of the runs'
-    codebooks, cached per codebook and pre-scale tensors (the encoder's cached device copies)."""
+def _natural_rotation(rotation: Any, dp: int) -> Tensor:
+    """The rotation's transpose as MMA operand, ``y = x RT``: float32 [dp, dp], zero padded, cached per
+    rotation object."""
+    m = rotation.matmul_matrix
+    rt = torch.zeros(dp, dp, device=m.device)
+    rt[: rotation.dim, : rotation.dim] = m.float().T
+    return rt
+
+
+@lru_cache(maxsize=32)
+def _run_tables(runs: tuple[Any, ...], alphas: Tensor) -> tuple[list[RunLayout], Tensor, Tensor, Tensor, Tensor]:
+    """The runs' layouts, magnitudes and boundaries, the pre-scales, and the boundaries divided by each
+    pre-scale [A, boundaries], on the device of the runs' codebooks, cached per codebook and pre-scale
+    tensors (the encoder's cached device copies)."""
     layouts, mags, bounds = run_layouts(runs)
-    device = alphas.device
-    return layouts, mags.to(device), bounds.to(device), alphas.float().contiguous()
+    device, alphas = alphas.device, alphas.float().contiguous()
+    bounds = bounds.to(device)
+    return layouts, mags.to(device), bounds, alphas, (bounds[None, :] / alphas[:, None]).contiguous()
+
+
+def in_registers(layouts: Sequence[RunLayout], dim: int) -> bool:
+    """Whether :func:`_encode_rows_kernel` encodes these codes: one coded run of at most 4 bits covering all
+    ``dim`` coordinates, dims up to ROWS_MAX_DIM."""
+    first = layouts[0]
+    return first.width == dim and first.bits <= 4 and layouts[1].groups == 0 and next_power_of_2(dim) <= ROWS_MAX_DIM
 
 
 def encode_directions_triton(x: Tensor, rotation: Any, runs: Sequence[Any], alphas: Tensor
                              ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """:func:`tqindex.directions.encode_directions` by the GPU kernel (module notes): x float32 [N, d]
+    """:func:`tqindex.directions.encode_directions` by the GPU kernels (module notes): x float32 [N, d]
     -> (qdata uint8 [N, bytes], ||y|| [N], <u, c> [N], ||c||² [N])."""
     if len(alphas) > MAX_ALPHAS:
         raise ValueError(f"the GPU encoder tries at most {MAX_ALPHAS} pre-scales, got {len(alphas)}")
-    layouts, mags, bounds, alphas = _run_tables(tuple(runs), alphas.to(x.device))
+    layouts, mags, bounds, alphas, thresholds = _run_tables(tuple(runs), alphas.to(x.device))
     device, (n, d) = x.device, x.shape
-    pw = plane_width(layouts)
     x = x.float().contiguous()
     rotate = rotation.matmul_matrix is not None
-    blocks = cdiv(n, BLOCK_N)
-    programs = min(blocks, PROGRAMS_PER_SM * multiprocessors(device)) if device.type == "cuda" else blocks
-    if rotate:
-        src, rp = x, _planar_rotation(rotation, tuple(layouts))
-        scratch = torch.empty(max(programs, 1), BLOCK_N, pw, device=device)
-    else:  # identity, or a large Hadamard applied by torch first: the rotated rows' planes are read directly
-        src = to_planes(rotation.apply(x), layouts).contiguous()
-        rp = scratch = src  # not read
     row_bytes = sum(r.nbytes for r in runs)
     qdata = torch.empty(n, row_bytes, dtype=torch.uint8, device=device)
     norm, dot, sq = (torch.empty(n, device=device) for _ in range(3))
-    if n:
+    precision = "tf32x3" if device.type == "cuda" else "ieee"
+    if n and in_registers(layouts, d):
+        dp = next_power_of_2(d)
+        block = max(16, ROWS_ELEMENTS // dp)
+        src = x if rotate else rotation.apply(x).contiguous()
+        _encode_rows_kernel[(_programs(cdiv(n, block), device),)](
+            src, x, _natural_rotation(rotation, dp) if rotate else src, thresholds, mags, alphas, qdata, norm, dot,
+            sq, n, d, row_bytes, R=tuple(layouts[0]), A=len(alphas), ROTATE=rotate, DP=dp, BLOCK_N=block,
+            PRECISION=precision, num_warps=4 if dp <= 64 else 8)  # measured best on an H200
+    elif n:
+        pw = plane_width(layouts)
+        programs = _programs(cdiv(n, BLOCK_N), device)
+        if rotate:
+            src, rp = x, _planar_rotation(rotation, tuple(layouts))
+            scratch = torch.empty(programs, BLOCK_N, pw, device=device)
+        else:  # identity, or a large Hadamard applied by torch first: the rotated rows' planes are read directly
+            src = to_planes(rotation.apply(x), layouts).contiguous()
+            rp = scratch = src  # not read
         _encode_kernel[(programs,)](
             src, x, rp, scratch, n, d, pw, mags, bounds, alphas, qdata,
             row_bytes, norm, dot, sq, R0=tuple(layouts[0]), R1=tuple(layouts[1]), R2=tuple(layouts[2]),
             A=len(alphas), AP=max(2, next_power_of_2(len(alphas))), ROTATE=rotate,
-            DK=cdiv(d, BLOCK_K) * BLOCK_K, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-            PRECISION="tf32x3" if device.type == "cuda" else "ieee", num_warps=NUM_WARPS)
+            DK=cdiv(d, BLOCK_K) * BLOCK_K, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, PRECISION=precision,
+            num_warps=NUM_WARPS)
     if not rotate:  # the kernel scaled the rows, not the rotation torch applied to them first
         rescue_unsafe_rows(encode_directions_triton, x, rotation, runs, alphas, qdata, norm, dot, sq)
     return qdata, norm, dot, sq
+
+
+def _programs(blocks: int, device: torch.device) -> int:
+    """Persistent programs for ``blocks`` row blocks: PROGRAMS_PER_SM per multiprocessor on GPUs (at least 1)."""
+    return max(1, min(blocks, PROGRAMS_PER_SM * multiprocessors(device)) if device.type == "cuda" else blocks)
