@@ -23,7 +23,8 @@ Configurations: ``dynamic`` (float32 ``DynamicCache``, the reference); transform
 with the ``fp8`` backend (E4M3, one scale per tensor frozen at the prefill) and the ``quanto`` backend
 (int4 / int2, groups of 64 along head_dim, residual window N: ``quanto-int4-rN``); ``fp8-tq``, tqindex's
 ``FP8Cache`` (E4M3, one scale per token and head); tqindex ``TQCache`` presets tq2 / tq3 / tq4 (TurboQuant
-keys and values at 2 / 3 / 4 bits), k8v4, k3v4 (8- or 3-bit keys, 4-bit values) and fp4 (FP4-UE8M0),
+keys and values at 2 / 3 / 4 bits), k{a}v{b} (a-bit keys, b-bit values; a, b in 1, 2, 3, 4, 8) and fp4
+(FP4-UE8M0),
 named ``{preset}-r{residual_length}-p{protected_layers}[-s{sink_length}]`` (``-sN``: the first N tokens never
 encoded), keys centered (``center_keys``) unless the name ends in ``-nc``, keys stored with the scale that
 makes their inner products unbiased (the ``tq{b}-unbiased`` encoders, where ``tq{b}`` keeps their norms) with
@@ -81,7 +82,9 @@ QUESTION = "What is the secret passcode mentioned in the text above? Answer with
 ANSWER_PREFIX = "The secret passcode is"
 NEEDLE_MAX_NEW_TOKENS = 24  # the tokenizer splits numbers into single digits
 
-TQ_PRESETS = ("tq2", "tq3", "tq4", "k8v4", "k3v4", "fp4")
+TQ_PRESETS = ("tq2", "tq3", "tq4", "fp4")
+TQ_BITS = "12348"
+"""Bits of the TurboQuant encoders a ``k{a}v{b}`` preset names."""
 ENCODE_STRIDE = 1  # every tqindex cache encodes each token as it leaves its window (module notes)
 NEEDLE_BITS = 2.75  # the needle must be found by every configuration of at least this many bits per element
 DEFAULT_CONFIGS = (
@@ -163,10 +166,10 @@ def cache_spec(name: str) -> CacheSpec:
                          lambda cfg: QuantizedCache("quanto", cfg, nbits=bits, residual_length=res),
                          residual_length=res)
     cfg_match = re.fullmatch(r"(\w+)-r(\d+)-p(\d+)(?:-s(\d+))?(-nc)?(-ku)?(-ks)?", name)
-    if cfg_match and cfg_match[1] in TQ_PRESETS:
+    pair = cfg_match and re.fullmatch(f"k([{TQ_BITS}])v([{TQ_BITS}])", cfg_match[1])
+    if cfg_match and (cfg_match[1] in TQ_PRESETS or pair):
         preset, res, prot, sink = (cfg_match[1], *(int(g or 0) for g in cfg_match.groups()[1:4]))
         center, unbiased, scaled = (not cfg_match[5], bool(cfg_match[6]), bool(cfg_match[7]))
-        pair = re.fullmatch(r"k(\d)v(\d)", preset)
         kenc, venc = (preset, preset) if not pair else (f"tq{pair[1]}", f"tq{pair[2]}")
         if unbiased and preset == "fp4":
             raise ValueError(f"configuration {name!r}: -ku rescales TurboQuant keys, fp4 has none")
@@ -183,16 +186,15 @@ def cache_spec(name: str) -> CacheSpec:
             return TQCache(cfg, policy=policy.with_key_scales(CALIBRATION["key_scales"]), sink_length=sink,
                            encode_stride=ENCODE_STRIDE)
 
-        kv = {"tq2": "tq2 keys + values", "tq3": "tq3 keys + values", "tq4": "tq4 keys + values",
-              "k8v4": "tq8 keys, tq4 values", "k3v4": "tq3 keys, tq4 values",
-              "fp4": "FP4-UE8M0 keys + values"}[preset]
+        kv = f"tq{pair[1]} keys, tq{pair[2]} values" if pair else (
+            "FP4-UE8M0 keys + values" if preset == "fp4" else f"{preset} keys + values")
         keys = (("centered keys" if center else "keys not centered") + (", calibrated key scales" if scaled else "")
                 + (", keys scaled for unbiased inner products" if unbiased else ""))
         sinks = f", the first {sink} tokens never encoded" if sink else ""
         return CacheSpec(name, "tqindex",
                          f"TQCache {kv}, residual {res}, {prot}+{prot} protected layers, {keys}{sinks}", make,
                          "tqindex", preset, res, prot, key_scales=scaled)
-    known = ("dynamic, fp8, fp8-tq, quanto-int{2,4}-r{N}, {" + ",".join(TQ_PRESETS)
+    known = ("dynamic, fp8, fp8-tq, quanto-int{2,4}-r{N}, {" + ",".join(TQ_PRESETS) + f",k[{TQ_BITS}]v[{TQ_BITS}]"
              + "}-r{N}-p{N}[-s{N}][-nc][-ku][-ks], policy-b{bits}[-ks]")
     raise ValueError(f"unknown configuration {name!r}; known forms: {known}")
 
@@ -404,12 +406,15 @@ def compare(rows: list[dict[str, Any]]) -> None:
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The targets of real decoding (module notes) and which rows meet them."""
     by = {r["config"]: r for r in rows}
-    fp8, tq4 = by.get("fp8"), by.get("tq4-r0-p0")
+    fp8 = by.get("fp8")
     out: dict[str, Any] = {}
-    if fp8 and tq4:
-        better = all(tq4["ppl_increase_pct"][t] <= fp8["ppl_increase_pct"][t] for t in tq4["ppl"])
-        out["tq4_vs_fp8"] = {"row": "tq4-r0-p0", "ppl_at_most_fp8": better, "bytes_vs_fp8": tq4["bytes_vs_fp8"],
-                             "met": better and tq4["bytes_vs_fp8"] <= 0.5}
+    bare = [r for r in rows if r["family"] == "tqindex" and r["residual_length"] == 0 and r["protected_layers"] == 0]
+    if fp8 and bare:  # the best of the rows at half fp8's bytes or less, else the best of all
+        small = [r for r in bare if r["bytes_vs_fp8"] <= 0.5]
+        row = min(small or bare, key=lambda r: r["worst_increase_pct"])
+        better = all(row["ppl_increase_pct"][t] <= fp8["ppl_increase_pct"][t] for t in row["ppl"])
+        out["half_fp8_bytes"] = {"row": row["config"], "ppl_at_most_fp8": better, "bytes_vs_fp8": row["bytes_vs_fp8"],
+                                 "met": better and row["bytes_vs_fp8"] <= 0.5}
     for key, bits, limit in (("at_3.25_bits", 3.25, 1.0), ("at_2.5_bits", 2.5, 5.0)):
         fit = [r for r in rows if r["family"] == "tqindex" and r["bits_per_element"] <= bits]
         best = min(fit, key=lambda r: r["worst_increase_pct"], default=None)
@@ -471,11 +476,12 @@ def markdown(result: dict[str, Any]) -> str:
     lines += [f"- `{r['config']}`: {r['description']}" for r in result["rows"]]
     s = result["summary"]
     lines += ["", "Targets (every text):", ""]
-    if "tq4_vs_fp8" in s:
-        t = s["tq4_vs_fp8"]
-        lines.append(f"- 4 bits, no window, no full-precision layer (`tq4-r0-p0`): perplexity increase at most "
-                     f"fp8's ({'yes' if t['ppl_at_most_fp8'] else 'no'}) at half its bytes or less "
-                     f"({t['bytes_vs_fp8']:.2f} of them): {'met' if t['met'] else 'not met'}")
+    if "half_fp8_bytes" in s:
+        t = s["half_fp8_bytes"]
+        lines.append(f"- no window (sink tokens aside) and no full-precision layer, at half fp8's bytes or less "
+                     f"(4 bits per element): perplexity increase at most fp8's (best `{t['row']}`: "
+                     f"{'yes' if t['ppl_at_most_fp8'] else 'no'}, at {t['bytes_vs_fp8']:.2f} of its bytes): "
+                     f"{'met' if t['met'] else 'not met'}")
     for key in ("at_3.25_bits", "at_2.5_bits"):
         t = s[key]
         best = (f"best `{t['best_row']}`, {t['best_worst_increase_pct']:+.2f} %" if t["best_row"]

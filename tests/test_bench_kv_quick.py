@@ -40,6 +40,7 @@ def test_every_default_configuration_parses():
         assert kv_quality.cache_spec(name).name == name
     spec = kv_quality.cache_spec("k3v4-r0-p2")
     assert (spec.preset, spec.residual_length, spec.protected_layers) == ("k3v4", 0, 2)
+    assert "tq4 keys, tq3 values" in kv_quality.cache_spec("k4v3-r0-p0-s4-ku").description
     assert "centered keys" in spec.description and "not centered" in kv_quality.cache_spec("tq4-r0-p0-nc").description
     assert kv_quality.cache_spec("policy-b2.5").budget_bits == 2.5
     spec = kv_quality.cache_spec("tq3-r0-p0-s4-nc-ku-ks")
@@ -54,7 +55,23 @@ def test_sinks_and_unbiased_keys_reach_the_cache():
     assert store.sink_length == 4 and store.key_encoder.rescale == "unbiased" and store.value_encoder.rescale == "cos"
 
 
-@pytest.mark.parametrize("name", ["tq5-r0-p0", "tq4-r128", "quanto-int4", "fp16", "tq4-rx-p2", "policy-bx",
+def test_the_half_fp8_bytes_target_takes_the_best_row_at_half_the_bytes():
+    def row(config, bytes_vs_fp8, increases, residual=0, family="tqindex"):
+        inc = dict(zip("AB", increases))
+        return {"config": config, "family": family, "residual_length": residual, "protected_layers": 0,
+                "bytes_vs_fp8": bytes_vs_fp8, "ppl": inc, "ppl_increase_pct": inc, "worst_increase_pct": max(increases),
+                "bits_per_element": 8 * bytes_vs_fp8, "needle_found": True}
+
+    rows = [row("fp8", 1.0, (2.8, 3.1), None, "transformers"), row("tq4-r0-p0", 0.53, (1.0, 1.0)),
+            row("k4v3-r0-p0", 0.47, (2.0, 3.0)), row("k4v2-r0-p0", 0.41, (2.5, 3.5)),
+            row("tq4-r128-p0", 0.45, (0.1, 0.1), residual=128)]
+    t = kv_quality.summarize(rows)["half_fp8_bytes"]
+    assert (t["row"], t["ppl_at_most_fp8"], t["met"]) == ("k4v3-r0-p0", True, True)
+    t = kv_quality.summarize(rows[:2])["half_fp8_bytes"]  # nothing at half the bytes: the best row, not met
+    assert (t["row"], t["ppl_at_most_fp8"], t["met"]) == ("tq4-r0-p0", True, False)
+
+
+@pytest.mark.parametrize("name", ["k9v4-r0-p0", "tq5-r0-p0", "tq4-r128", "quanto-int4", "fp16", "tq4-rx-p2", "policy-bx",
                                   "tq4-r0-p0-ks-ku", "tq4-r0-p0-s4-s4", "tq4-r0-p0-x", "fp4-r0-p0-ku"])
 def test_unknown_configuration_is_rejected(name):
     with pytest.raises(ValueError, match="configuration"):
