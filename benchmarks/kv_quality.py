@@ -28,8 +28,9 @@ keys and values at 2 / 3 / 4 bits), k{a}v{b} (a-bit keys, b-bit values; a, b in 
 named ``{preset}-r{residual_length}-p{protected_layers}[-s{sink_length}]`` (``-sN``: the first N tokens never
 encoded), keys centered (``center_keys``) unless the name ends in ``-nc``, keys stored with the scale that
 makes their inner products unbiased (the ``tq{b}-unbiased`` encoders, where ``tq{b}`` keeps their norms) with
-``-ku``, with per-channel key scales (:func:`tqindex.kv.key_scales`, calibrated on the third text below)
-with ``-ks``;
+``-ku``, values likewise with ``-vu`` (attention's output is then unbiased: ``tq{b}`` values point along their
+code, so each is shrunk along its own direction by the code's cosine), with per-channel key scales
+(:func:`tqindex.kv.key_scales`, calibrated on the third text below) with ``-ks``;
 ``policy-b{bits}``: a per-layer policy chosen by :func:`tqindex.kv.calibrate` for an average of at most
 ``bits`` bits per element at ``--tokens`` tokens of context, with ``TQCache``'s default sink tokens
 (``policy-b{bits}-ks``: measured and kept with key scales), calibrated on a third text
@@ -165,15 +166,16 @@ def cache_spec(name: str) -> CacheSpec:
                          f"QuantizedCache quanto int{bits}, groups of 64, residual {res}",
                          lambda cfg: QuantizedCache("quanto", cfg, nbits=bits, residual_length=res),
                          residual_length=res)
-    cfg_match = re.fullmatch(r"(\w+)-r(\d+)-p(\d+)(?:-s(\d+))?(-nc)?(-ku)?(-ks)?", name)
+    cfg_match = re.fullmatch(r"(\w+)-r(\d+)-p(\d+)(?:-s(\d+))?(-nc)?(-ku)?(-vu)?(-ks)?", name)
     pair = cfg_match and re.fullmatch(f"k([{TQ_BITS}])v([{TQ_BITS}])", cfg_match[1])
     if cfg_match and (cfg_match[1] in TQ_PRESETS or pair):
         preset, res, prot, sink = (cfg_match[1], *(int(g or 0) for g in cfg_match.groups()[1:4]))
-        center, unbiased, scaled = (not cfg_match[5], bool(cfg_match[6]), bool(cfg_match[7]))
+        center, unbiased, values_unbiased, scaled = (not cfg_match[5], *(bool(g) for g in cfg_match.groups()[5:8]))
         kenc, venc = (preset, preset) if not pair else (f"tq{pair[1]}", f"tq{pair[2]}")
-        if unbiased and preset == "fp4":
-            raise ValueError(f"configuration {name!r}: -ku rescales TurboQuant keys, fp4 has none")
+        if (unbiased or values_unbiased) and preset == "fp4":
+            raise ValueError(f"configuration {name!r}: -ku / -vu rescale TurboQuant codes, fp4 has none")
         kenc += "-unbiased" if unbiased else ""
+        venc += "-unbiased" if values_unbiased else ""
 
         def make(cfg: Any) -> Any:
             if not scaled:
@@ -189,13 +191,14 @@ def cache_spec(name: str) -> CacheSpec:
         kv = f"tq{pair[1]} keys, tq{pair[2]} values" if pair else (
             "FP4-UE8M0 keys + values" if preset == "fp4" else f"{preset} keys + values")
         keys = (("centered keys" if center else "keys not centered") + (", calibrated key scales" if scaled else "")
-                + (", keys scaled for unbiased inner products" if unbiased else ""))
+                + (", keys scaled for unbiased inner products" if unbiased else "")
+                + (", values scaled to be unbiased" if values_unbiased else ""))
         sinks = f", the first {sink} tokens never encoded" if sink else ""
         return CacheSpec(name, "tqindex",
                          f"TQCache {kv}, residual {res}, {prot}+{prot} protected layers, {keys}{sinks}", make,
                          "tqindex", preset, res, prot, key_scales=scaled)
     known = ("dynamic, fp8, fp8-tq, quanto-int{2,4}-r{N}, {" + ",".join(TQ_PRESETS) + f",k[{TQ_BITS}]v[{TQ_BITS}]"
-             + "}-r{N}-p{N}[-s{N}][-nc][-ku][-ks], policy-b{bits}[-ks]")
+             + "}-r{N}-p{N}[-s{N}][-nc][-ku][-vu][-ks], policy-b{bits}[-ks]")
     raise ValueError(f"unknown configuration {name!r}; known forms: {known}")
 
 

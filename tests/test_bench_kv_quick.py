@@ -41,18 +41,23 @@ def test_every_default_configuration_parses():
     spec = kv_quality.cache_spec("k3v4-r0-p2")
     assert (spec.preset, spec.residual_length, spec.protected_layers) == ("k3v4", 0, 2)
     assert "tq4 keys, tq3 values" in kv_quality.cache_spec("k4v3-r0-p0-s4-ku").description
+    assert "values scaled to be unbiased" in kv_quality.cache_spec("k4v3-r0-p0-s4-ku-vu").description
     assert "centered keys" in spec.description and "not centered" in kv_quality.cache_spec("tq4-r0-p0-nc").description
     assert kv_quality.cache_spec("policy-b2.5").budget_bits == 2.5
     spec = kv_quality.cache_spec("tq3-r0-p0-s4-nc-ku-ks")
     assert all(s in spec.description for s in ("first 4 tokens", "not centered", "unbiased", "key scales"))
 
 
-def test_sinks_and_unbiased_keys_reach_the_cache():
+def test_sinks_and_unbiased_codes_reach_the_cache():
     cfg = tiny_config()
     cache = kv_quality.cache_spec("tq4-r0-p0-s4-ku").make(cfg)
     fill(cache)
     store = cache.layers[0].store
     assert store.sink_length == 4 and store.key_encoder.rescale == "unbiased" and store.value_encoder.rescale == "cos"
+    cache = kv_quality.cache_spec("tq4-r0-p0-vu").make(cfg)
+    fill(cache)
+    store = cache.layers[0].store
+    assert store.key_encoder.rescale == "cos" and store.value_encoder.rescale == "unbiased"
 
 
 def test_the_half_fp8_bytes_target_takes_the_best_row_at_half_the_bytes():
@@ -72,7 +77,8 @@ def test_the_half_fp8_bytes_target_takes_the_best_row_at_half_the_bytes():
 
 
 @pytest.mark.parametrize("name", ["k9v4-r0-p0", "tq5-r0-p0", "tq4-r128", "quanto-int4", "fp16", "tq4-rx-p2", "policy-bx",
-                                  "tq4-r0-p0-ks-ku", "tq4-r0-p0-s4-s4", "tq4-r0-p0-x", "fp4-r0-p0-ku"])
+                                  "tq4-r0-p0-ks-ku", "tq4-r0-p0-s4-s4", "tq4-r0-p0-x", "fp4-r0-p0-ku", "fp4-r0-p0-vu",
+                                  "tq4-r0-p0-vu-ku"])
 def test_unknown_configuration_is_rejected(name):
     with pytest.raises(ValueError, match="configuration"):
         kv_quality.cache_spec(name)
