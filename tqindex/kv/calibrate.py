@@ -6,10 +6,7 @@ tokens, its first ``prefix`` tokens go through a cache in which one layer stores
 (``tq{b}-unbiased``, the keys of ``TQCache``'s default; its values at 8 bits, nearly exact) and every
 other layer stays in full precision, the next ``scored`` tokens are predicted in one forward pass over
 that history, and the sensitivity is the mean KL divergence of those predictions from a full-precision
-cache's, in nats. Values are measured the same way (keys at 8 bits), twice: as ``TQCache`` stores them by
-default (``tq{b}``, each pointing along its code) and scaled to be unbiased (``tq{b}-unbiased``, which
-helps at 2 and 3 bits under real decoding, ``benchmarks/results/kv_quality_smollm2_cpu_mixed_bits.md``);
-the policy takes per layer whichever loses less. A layer's loss for
+cache's, in nats. Values (``tq{b}``) are measured the same way (keys at 8 bits). A layer's loss for
 ``b_k``-bit keys and ``b_v``-bit values is the sum of the two (errors of different layers and of keys and
 values add up, to first order), a full-precision layer's is 0, and :func:`tqindex.kv.policy.choose` picks
 per layer the option of least summed loss whose bytes fit the budget. The scored tokens attend to each
@@ -47,8 +44,6 @@ NEAR_EXACT = "tq8"
 """The encoder of the side (keys or values) not under measurement."""
 KEY_ENCODER = "tq{}-unbiased"
 """The key encoders measured (by bits), those of ``TQCache``'s default."""
-VALUE_ENCODERS = ("tq{}", "tq{}-unbiased")
-"""The value encoders measured (by bits): ``TQCache``'s default and the unbiased scale."""
 
 
 @dataclass(frozen=True)
@@ -88,12 +83,12 @@ def measure_sensitivity(
     backend: str | None = None,
     key_scales: Sequence[Any] | None = None,
 ) -> Sensitivity:
-    """Each layer's sensitivity to ``"tq{b}-unbiased"`` keys and ``"tq{b}"`` / ``"tq{b}-unbiased"`` values, for
-    b in ``bits`` (module notes).
+    """Each layer's sensitivity to ``"tq{b}-unbiased"`` keys and ``"tq{b}"`` values, for b in ``bits`` (module
+    notes).
 
     model: a transformers causal LM; tokens: calibration token ids [1, T] (or [T]) with T >= prefix +
     scored; backend: the kernels of the trial caches; key_scales: per-layer key scales (:func:`key_scales`)
-    the trial caches hold their keys with, or None. Runs 3 · layers · len(bits) + 1 short passes of the
+    the trial caches hold their keys with, or None. Runs 2 · layers · len(bits) + 1 short passes of the
     model (a progress bar counts them); the model's attention implementation is restored afterwards.
     """
     from .hf import TQCache, _head_dims
@@ -125,8 +120,7 @@ def measure_sensitivity(
         policy = KVPolicy(entries, center_keys)
         return policy if key_scales is None else policy.with_key_scales(key_scales)
 
-    names = {"keys": [KEY_ENCODER.format(b) for b in bits],
-             "values": [v.format(b) for b in bits for v in VALUE_ENCODERS]}
+    names = {"keys": [KEY_ENCODER.format(b) for b in bits], "values": [f"tq{b}" for b in bits]}
     kl = {side: {name: [0.0] * layers for name in names[side]} for side in names}
     previous = model.config._attn_implementation
     model.set_attn_implementation("tqindex")
