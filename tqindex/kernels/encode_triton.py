@@ -252,19 +252,24 @@ def _encode_rows_kernel(X, XN, RT, THR, MAG, ALPHAS, OUT, NORM, DOT, SQ, n, d, r
         u = tl.abs(y) * inv[:, None]
         best = tl.full((BLOCK_N,), float("-inf"), tl.float32)
         best_a = tl.zeros((BLOCK_N,), tl.int32)
+        best_dot = tl.zeros((BLOCK_N,), tl.float32)
+        best_sq = tl.zeros((BLOCK_N,), tl.float32)
         for a in tl.static_range(A):
             mag = tl.zeros((BLOCK_N, DP), tl.float32) + tl.load(MAG)
             for j in tl.static_range(H - 1):  # thresholds ascend: the last one |u| exceeds sets the level
                 mag = tl.where(u > tl.load(THR + a * H + j), tl.load(MAG + j + 1), mag)
             mag = tl.where(valid_col[None, :], mag, 0.0)
-            cos = tl.sum(u * mag, axis=1) / tl.sqrt(tl.maximum(tl.sum(mag * mag, axis=1), 1e-30))
+            dot = tl.sum(u * mag, axis=1)
+            sq = tl.sum(mag * mag, axis=1)
+            cos = dot / tl.sqrt(tl.maximum(sq, 1e-30))
             better = cos > best  # the first pre-scale of equal cosines
             best = tl.where(better, cos, best)
             best_a = tl.where(better, a, best_a)
+            best_dot = tl.where(better, dot, best_dot)
+            best_sq = tl.where(better, sq, best_sq)
         m = tl.zeros((BLOCK_N, DP), tl.int32)
         for j in tl.static_range(H - 1):
             m += (u > tl.load(THR + best_a * H + j)[:, None]).to(tl.int32)
-        mag = tl.where(valid_col[None, :], _magnitude(m, MAG, H), 0.0)
         code = tl.where(valid_col[None, :], tl.where(y > 0, H + m, H - 1 - m), 0)
         word = tl.sum(tl.reshape(code, (BLOCK_N, DP // P, P)) << shift, axis=2)  # [BLOCK_N, groups]
         base = OUT + rows[:, None].to(tl.int64) * row_bytes + g[None, :] * GB
@@ -272,8 +277,8 @@ def _encode_rows_kernel(X, XN, RT, THR, MAG, ALPHAS, OUT, NORM, DOT, SQ, n, d, r
             ok = rmask[:, None] & ((g * GB + b) < NBYTES)[None, :]
             tl.store(base + b, ((word >> (8 * b)) & 0xFF).to(tl.uint8), mask=ok)
         tl.store(NORM + rows, norm * unscale, mask=rmask)
-        tl.store(DOT + rows, tl.sum(u * mag, axis=1), mask=rmask)
-        tl.store(SQ + rows, tl.sum(mag * mag, axis=1), mask=rmask)
+        tl.store(DOT + rows, best_dot, mask=rmask)
+        tl.store(SQ + rows, best_sq, mask=rmask)
 
 
 @lru_cache(maxsize=32)
