@@ -194,3 +194,27 @@ def test_sink_tokens_with_a_padding_mask():
         ref = compressed_attention_ref(q.float(), keys, values, m, 0.125)
         out = compressed_attention(q, keys, values, m, 0.125, backend="triton")
         assert ((out.float() - ref).norm() / ref.norm()) < 2e-3
+
+
+@pytest.mark.parametrize("hq, hkv, past", [(3, 1, 129), (8, 2, 1), (4, 4, 3017)])
+def test_decode_step_reads_lengths_on_the_device(hq, hkv, past):
+    """A static store's buffers (capacity beyond the valid tokens, filled with NaN there): the kernel reads the
+    valid lengths on the device and matches the reference over the valid tokens."""
+    from tqindex.kv.attention import compressed_attention
+
+    g = torch.Generator().manual_seed(past)
+    store = KVStore(tq.make_encoder("tq4", 64), tq.make_encoder("tq3", 64), residual_length=6, encode_stride=4)
+    store.append(*(torch.randn(2, hkv, past + 6, 64, generator=g).to(DEVICE) for _ in range(2)))
+    store.make_static(headroom=70)
+    for _ in range(2):
+        store.append(*(torch.randn(2, hkv, 1, 64, generator=g).to(DEVICE) for _ in range(2)))
+    keys, values = store.view()
+    tc, tw = keys.lengths.tolist()
+    assert keys.codes.shape[2] > tc and keys.window.shape[2] > tw
+    for side in (keys, values):
+        side.window[:, :, tw:] = float("nan")
+        side.codes.norm[:, :, tc:] = float("nan")
+    q = torch.randn(2, hq, 1, 64, generator=g).to(DEVICE).half()
+    ref = compressed_attention_ref(q.float(), keys, values, None, 0.125)
+    out = compressed_attention(q, keys, values, None, 0.125, backend="triton")
+    assert float((out.float() - ref).norm() / ref.norm()) < 2e-3

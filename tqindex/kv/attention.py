@@ -50,18 +50,25 @@ def compressed_attention(
     applies ``softcap · tanh(s / softcap)`` to the scaled scores. Fully masked rows give 0.
     ``backend`` (default: the key encoder's): "triton" runs the GPU kernel (``kernels/attention_triton.py``)
     where it reads the codes and the mask, "torch" the blockwise PyTorch body below (see ``kernels.select``).
+    Keys / values with device ``lengths`` (buffers filled on the device) are read in place by the kernel
+    when there is no mask; otherwise they are first cut to their valid tokens (a device synchronization).
     Returns [B, Hq, Q, Dv] in q's dtype (computed in float32).
     """
-    b, hq, nq, _ = q.shape
-    hkv, total, tc = _check(q, keys, values)
+    _check(q, keys, values)
     if not isinstance(block_tokens, int) or block_tokens < 1:
         raise ValueError(f"block_tokens must be an integer >= 1, got {block_tokens!r}")
+    fused = _fused(q, keys, values, mask, backend)
+    if keys.lengths is not None and (mask is not None or fused != "triton"):
+        keys, values = keys.valid(), values.valid()
+    b, hq, nq, _ = q.shape
+    hkv, total, tc = keys.shape[1], keys.shape[2], keys.codes.shape[2]
     dtype, q = q.dtype, _scaled_queries(q, keys)
     mask = _stored_order(mask, keys, nq, causal)
-    if _fused(q, keys, values, mask, backend) == "triton":
+    if fused == "triton":
         from ..kernels.attention_triton import compressed_attention_triton  # imports triton
 
-        return compressed_attention_triton(q, keys, values, mask, scaling, softcap, causal).to(dtype)
+        return compressed_attention_triton(q, keys, values, mask, scaling, softcap, causal,
+                                           lengths=keys.lengths).to(dtype)
     groups = hq // hkv
     qg = q.float().reshape(b, hkv, groups * nq, q.shape[-1])  # [B, Hkv, G*Q, Dk]
     state = _OnlineSoftmax(qg.shape[:3], values.shape[-1], q.device)
@@ -117,6 +124,7 @@ def compressed_attention_ref(
 ) -> Tensor:
     """Reference for :func:`compressed_attention`: decode all K/V, then :func:`dense_attention`."""
     _check(q, keys, values)
+    keys, values = keys.valid(), values.valid()
     k, v = keys.materialize(torch.float32), values.materialize(torch.float32)
     return dense_attention(_scaled_queries(q, keys), k, v, mask, scaling, softcap=softcap, causal=causal).to(q.dtype)
 
@@ -214,16 +222,16 @@ def _block_bias(
     return torch.zeros(visible.shape, device=device).masked_fill_(~visible, -math.inf)[None, None]
 
 
-def _check(q: Tensor, keys: CompressedTokens, values: CompressedTokens) -> tuple[int, int, int]:
-    """Validate shapes; return (KV heads, total tokens T, compressed tokens Tc)."""
+def _check(q: Tensor, keys: CompressedTokens, values: CompressedTokens) -> None:
+    """Validate shapes (ValueError / TypeError naming the problem)."""
     for name, kv in (("keys", keys), ("values", values)):
         if not isinstance(kv, CompressedTokens):
             raise TypeError(f"{name} must be CompressedTokens, got {type(kv).__name__}")
     if q.dim() != 4 or q.shape[-1] != keys.shape[-1]:
         raise ValueError(f"q must have shape [B, Hq, Q, {keys.shape[-1]}], got {tuple(q.shape)}")
-    b, hkv, total, _ = keys.shape
-    if values.shape[:3] != keys.shape[:3] or values.codes.shape != keys.codes.shape or values.sink != keys.sink:
+    b, hkv = keys.shape[:2]
+    if (values.shape[:3] != keys.shape[:3] or values.codes.shape != keys.codes.shape or values.sink != keys.sink
+            or values.lengths is not keys.lengths):
         raise ValueError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} hold different tokens")
     if q.shape[0] != b or q.shape[1] % hkv:
         raise ValueError(f"q [B, Hq] = {tuple(q.shape[:2])} must match batch {b} and a multiple of {hkv} KV heads")
-    return hkv, total, keys.codes.shape[2]

@@ -62,6 +62,9 @@ GROWTH = 1 + 1 / 32
 copied about 1 / (GROWTH - 1) = 32 times in reallocations (amortized O(1); a copy of a token's codes costs
 less than encoding it, and attention reads every code at every step), and at most a 33rd of a long buffer
 is unused capacity (doubling leaves up to half, which a long-context cache pays in GPU memory)."""
+STATIC_HEADROOM = 1024
+"""Tokens of code capacity :meth:`KVStore.make_static` keeps free beyond the valid ones (growing it reallocates
+the buffers, which a recorded CUDA graph cannot follow: it is then recorded again)."""
 _ALL = slice(None)
 
 # -- the encode operator ----------------------------------------------------------------------------
@@ -160,6 +163,9 @@ class CompressedTokens:
     encoder: the encoder of ``codes`` (``dim == encoder.dim``).
     query_scale: None, or keys only: [1, H, 1, dim], the keys are held divided by it channel by channel,
              so attention multiplies the queries of KV head h by it (scores unchanged).
+    lengths: None, or int64 [2] on the window's device: the valid codes and window tokens, when ``codes``
+             and ``window`` are fixed-capacity buffers filled on the device (a CUDA-graph decode step, see
+             :meth:`KVStore.make_static`); the attention kernel reads them there, :meth:`valid` on the host.
     """
 
     codes: Codes
@@ -167,16 +173,28 @@ class CompressedTokens:
     encoder: Encoder
     query_scale: Tensor | None = None
     sink: int = 0
+    lengths: Tensor | None = None
 
     @property
     def shape(self) -> torch.Size:
-        """``[B, H, Tc + W, dim]``: the shape of the equivalent dense tensor."""
+        """``[B, H, Tc + W, dim]``: the shape of the equivalent dense tensor (with ``lengths``: the capacity)."""
         b, h, w, d = self.window.shape
         return torch.Size((b, h, self.codes.shape[2] + w, d))
+
+    def valid(self) -> "CompressedTokens":
+        """These tokens without ``lengths``: the buffers cut to the valid tokens (reads the lengths on the host,
+        a device synchronization); self when there are no lengths."""
+        if self.lengths is None:
+            return self
+        tc, tw = self.lengths.tolist()
+        return CompressedTokens(self.codes.map(lambda t: t.narrow(2, 0, tc)), self.window.narrow(2, 0, tw),
+                                self.encoder, self.query_scale, self.sink)
 
     def materialize(self, dtype: torch.dtype | None = None) -> Tensor:
         """The tokens in the sequence's order, codes decoded: -> [B, H, Tc + W, dim] in ``dtype`` (default: the
         window's)."""
+        if self.lengths is not None:
+            return self.valid().materialize(dtype)
         dtype = self.window.dtype if dtype is None else dtype
         return in_order(self.window.to(dtype), self.encoder.decode(self.codes).to(dtype), self.sink)
 
@@ -226,20 +244,30 @@ class CodesBuffer:
         return self._view
 
     @property
+    def data(self) -> Codes:
+        """The whole storage, Codes [B, H, capacity] (tokens past ``length`` are not valid)."""
+        return self._data
+
+    @property
     def nbytes(self) -> int:
         """Bytes of the valid codes (the unused capacity is not counted)."""
         return self.view().nbytes
+
+    def reserve(self, tokens: int) -> None:
+        """Make room for ``tokens`` more tokens than the valid ones (reallocating now, at least as growth would)."""
+        needed = self.length + tokens
+        if needed >= self.capacity:
+            capacity = max(needed + 1, self.capacity + max(MIN_CAPACITY, int((GROWTH - 1) * self.capacity)))
+            grown = self._data.empty_like(*self._data.shape[:2], capacity)
+            grown.copy_((_ALL, _ALL, slice(0, self.length)), self.view())
+            self._data, self._view = grown, None
+            self.reallocations += 1
 
     def append(self, codes: Codes) -> None:
         """Append Codes [B, H, n] after the valid tokens."""
         length = self.length
         needed = length + codes.shape[2]
-        if needed >= self.capacity:
-            capacity = max(needed + 1, self.capacity + max(MIN_CAPACITY, int((GROWTH - 1) * self.capacity)))
-            grown = self._data.empty_like(*self._data.shape[:2], capacity)
-            grown.copy_((_ALL, _ALL, slice(0, length)), self.view())
-            self._data, self._view = grown, None
-            self.reallocations += 1
+        self.reserve(codes.shape[2])
         self._data.copy_((_ALL, _ALL, slice(length, needed)), codes)
         self._length = self._length.new_empty(needed, 0)
 
@@ -287,8 +315,9 @@ class KVStore:
         self.key_scale = _check_scale(key_scale, key_encoder.dim)  # [H, Dk] float32 or None
         self.keys: CodesBuffer | None = None
         self.values: CodesBuffer | None = None
-        self._key_window: Tensor | None = None  # [B, H, W, Dk]
+        self._key_window: Tensor | None = None  # [B, H, W, Dk] (static: [B, H, capacity, Dk])
         self._value_window: Tensor | None = None  # [B, H, W, Dv]
+        self._static: _Static | None = None  # set by make_static
         self._register()
 
     def _register(self) -> None:
@@ -339,6 +368,8 @@ class KVStore:
     @property
     def window_length(self) -> int:
         """Tokens held in full precision."""
+        if self._static is not None:
+            return self._static.window
         return 0 if self._key_window is None else self._key_window.shape[2]
 
     @property
@@ -367,13 +398,13 @@ class KVStore:
             return []
         planes = [t for codes in (self.keys.view(), self.values.view()) for _, t in codes.planes()]
         offset = [] if self.key_offset is None else [self.key_offset]
-        return [*planes, self._key_window, self._value_window, *offset]
+        return [*planes, *self._windows(), *offset]
 
     def nbytes(self) -> int:
         """Bytes held: the valid code planes of keys and values, the full-precision window and the key offset."""
         if self.keys is None:
             return 0
-        dense = [t for t in (self._key_window, self._value_window, self.key_offset) if t is not None]
+        dense = [t for t in (*self._windows(), self.key_offset) if t is not None]
         return self.nbytes_compressed()[0] + sum(t.numel() * t.element_size() for t in dense)
 
     def nbytes_compressed(self) -> tuple[int, int]:
@@ -406,6 +437,11 @@ class KVStore:
             self.values = CodesBuffer(empty_codes(self._value_id, (b, h, 0), value.device))
             self._key_window, self._value_window = key, value
             return
+        if self._static is not None:
+            if self.prepare(key.shape[2]):
+                self._write(key, value)
+                return
+            self.make_dynamic()
         self.settle()
         self._key_window = torch.cat([self._key_window, key], dim=2)
         self._value_window = torch.cat([self._value_window, value], dim=2)
@@ -415,8 +451,9 @@ class KVStore:
         now, where there are at least ``encode_stride`` of them (``append`` does it first otherwise). Views
         taken before keep what they hold: a cache layer takes the step's view, then settles, so that between
         steps it holds fewer than ``encode_stride`` full-precision tokens beyond the window (a prefill
-        chunk's are encoded once its attention has read them)."""
-        if self.keys is None:
+        chunk's are encoded once its attention has read them). A static store (:meth:`make_static`) encodes in
+        :meth:`prepare` instead, when its window is full: this does nothing there."""
+        if self.keys is None or self._static is not None:
             return
         sink = self.sink_held
         old = self.window_length - sink - self.residual_length
@@ -435,6 +472,7 @@ class KVStore:
             raise ValueError(f"length must be an integer >= 0, got {length!r}")
         if self.keys is None:
             return
+        self.make_dynamic()
         sink = min(self.sink_held, length)
         self.keys.crop(length - sink)
         self.values.crop(length - sink)
@@ -446,6 +484,7 @@ class KVStore:
         """Reorder, keep or repeat batch rows (beam search): ``index`` long [B'] or bool [B] on dim 0."""
         if self.keys is None:
             return
+        self.make_dynamic()
         index = index.to(self._key_window.device)
         self.keys.select(index)
         self.values.select(index)
@@ -466,6 +505,7 @@ class KVStore:
         :meth:`torch.Tensor.to`."""
         if self.keys is None:
             return
+        self.make_dynamic()
         self.keys.to(device, non_blocking)
         self.values.to(device, non_blocking)
         self._key_window = self._key_window.to(device, non_blocking=non_blocking)
@@ -483,14 +523,22 @@ class KVStore:
         attention as the queries' ``query_scale``."""
         if self.keys is None:
             raise ValueError("the KVStore is empty: append tokens before reading it")
-        window = self._key_window
+        if self._static is None:
+            return self._tokens(self.keys.view(), self.values.view(), self._key_window, self._value_window)
+        # static: the whole buffers, the valid lengths on the device (the same tensors at every step)
+        return self._tokens(self.keys.data, self.values.data, self._key_window, self._value_window,
+                            self._static.lengths)
+
+    def _tokens(self, key_codes: Codes, value_codes: Codes, key_window: Tensor, value_window: Tensor,
+                lengths: Tensor | None = None) -> tuple[CompressedTokens, CompressedTokens]:
+        """(keys, values) CompressedTokens of these codes and windows, keys as the codes hold them (:meth:`view`)."""
         if self.key_offset is not None or self.key_scale is not None:
-            window = self._held_keys(window).to(window.dtype)
+            key_window = self._held_keys(key_window).to(key_window.dtype)
         scale = None if self.key_scale is None else self.key_scale[None, :, None, :]
         sink = self.sink_held
         return (
-            CompressedTokens(self.keys.view(), window, self.key_encoder, scale, sink),
-            CompressedTokens(self.values.view(), self._value_window, self.value_encoder, sink=sink),
+            CompressedTokens(key_codes, key_window, self.key_encoder, scale, sink, lengths),
+            CompressedTokens(value_codes, value_window, self.value_encoder, sink=sink, lengths=lengths),
         )
 
     def materialize(self, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
@@ -502,15 +550,106 @@ class KVStore:
         plus :attr:`key_offset`, the window as held."""
         if self.keys is None:
             raise ValueError("the KVStore is empty: append tokens before reading it")
-        dtype = self._key_window.dtype if dtype is None else dtype
+        window = self._windows()[0]
+        dtype = window.dtype if dtype is None else dtype
         codes = self.key_encoder.decode(self.keys.view()).float()
         codes = codes if self.key_scale is None else codes * self.key_scale[:, None, :]
         codes = codes if self.key_offset is None else codes + self.key_offset
-        return in_order(self._key_window.to(dtype), codes.to(dtype), self.sink_held)
+        return in_order(window.to(dtype), codes.to(dtype), self.sink_held)
 
     def materialize_values(self, dtype: torch.dtype | None = None) -> Tensor:
         """Decoded values [B, H, T, Dv] in ``dtype`` (default: the window's)."""
-        return self.view()[1].materialize(dtype)
+        if self.keys is None:
+            raise ValueError("the KVStore is empty: append tokens before reading it")
+        values = self._windows()[1]
+        return CompressedTokens(self.values.view(), values, self.value_encoder, sink=self.sink_held).materialize(dtype)
+
+    # -- fixed-capacity mode (CUDA-graph decoding) -------------------------------------------------
+    @property
+    def static(self) -> bool:
+        """Whether the window is a fixed-capacity buffer (:meth:`make_static`)."""
+        return self._static is not None
+
+    def make_static(self, headroom: int = STATIC_HEADROOM) -> None:
+        """Hold the window in a buffer of ``sink_length + residual_length + encode_stride`` tokens and the numbers
+        of valid codes and window tokens on the device too (``CompressedTokens.lengths``), the code buffers
+        with room for ``headroom`` more tokens: appends then write at positions read on the device and
+        :meth:`view` hands out the same tensors at every step, so that a decode step can be recorded as a CUDA
+        graph and replayed as the store fills. Tokens leave the window as in the growing mode (attention reads
+        the same tokens at every step), encoded by :meth:`prepare` before the step that would overflow it.
+        ``crop``, ``select``, ``to`` and appends longer than the window return to the growing mode (as does
+        :meth:`make_dynamic`). Does nothing on a static store; ValueError on an empty one."""
+        check_int(headroom, "headroom", 0)
+        if self._static is not None:
+            return
+        if self.keys is None:
+            raise ValueError("the KVStore is empty: append tokens before make_static")
+        self.settle()  # the window now holds fewer than encode_stride tokens beyond its sinks and residual_length
+        held = self.window_length
+        capacity = self.sink_length + self.residual_length + self.encode_stride
+        buffers = []
+        for window in (self._key_window, self._value_window):
+            buffer = window.new_empty(*window.shape[:2], capacity, window.shape[3])
+            buffer[:, :, :held] = window
+            buffers.append(buffer)
+        for codes in (self.keys, self.values):
+            codes.reserve(headroom)
+        lengths = torch.tensor([self.compressed_length, held], dtype=torch.int64).to(buffers[0].device)
+        self._key_window, self._value_window = buffers
+        self._static = _Static(lengths, held, headroom)
+
+    def make_dynamic(self) -> None:
+        """Back to the growing mode (the window cut to its valid tokens); does nothing on a growing store."""
+        static, self._static = self._static, None
+        if static is not None:
+            self._key_window = self._key_window[:, :, : static.window]
+            self._value_window = self._value_window[:, :, : static.window]
+
+    def prepare(self, tokens: int = 1) -> bool:
+        """Static store: make room in the window for ``tokens`` new tokens, encoding its tokens beyond the sinks
+        and the newest ``residual_length`` where it is full (the code buffers grow by ``headroom`` when they
+        must). Returns whether they fit (False: more than the window can hold)."""
+        static = self._static
+        capacity = self._key_window.shape[2]
+        if static.window + tokens <= capacity:
+            return True
+        sink = self.sink_held
+        old = static.window - sink - self.residual_length
+        if old > 0:
+            leaving = slice(sink, sink + old)
+            encoded = (encode_tokens(self.key_encoder, self._held_keys(self._key_window[:, :, leaving]), self._key_id),
+                       encode_tokens(self.value_encoder, self._value_window[:, :, leaving], self._value_id))
+            for codes, new in zip((self.keys, self.values), encoded):
+                if codes.length + old >= codes.capacity:
+                    codes.reserve(old + static.headroom)
+                codes.append(new)
+            rest = static.window - sink - old
+            for window in (self._key_window, self._value_window):
+                window[:, :, sink : sink + rest] = window[:, :, sink + old : static.window].clone()
+            static.window = sink + rest
+            static.lengths[0].fill_(self.compressed_length)
+            static.lengths[1].fill_(static.window)
+        return static.window + tokens <= capacity
+
+    def advance(self, tokens: int = 1) -> None:
+        """Static store: count ``tokens`` appended on the device alone (a replayed CUDA graph's append)."""
+        self._static.window += tokens
+
+    def _write(self, key: Tensor, value: Tensor) -> None:
+        """Static store with room: write key / value [B, H, n, D] at the window's valid length read on the device."""
+        static, n = self._static, key.shape[2]
+        at = static.lengths[1:] if n == 1 else static.lengths[1:] + torch.arange(n, device=key.device)
+        self._key_window.index_copy_(2, at, key.to(self._key_window.dtype))
+        self._value_window.index_copy_(2, at, value.to(self._value_window.dtype))
+        static.lengths[1:] += n
+        static.window += n
+
+    def _windows(self) -> tuple[Tensor, Tensor]:
+        """The valid window tokens (key [B, H, W, Dk], value [B, H, W, Dv]), views in the static mode."""
+        if self._static is None:
+            return self._key_window, self._value_window
+        n = self._static.window
+        return self._key_window[:, :, :n], self._value_window[:, :, :n]
 
     # -- helpers -----------------------------------------------------------------------------------
     def _held_keys(self, keys: Tensor) -> Tensor:
@@ -531,6 +670,15 @@ class KVStore:
             raise ValueError(
                 f"key has [B, H] = {tuple(key.shape[:2])}, the store holds {tuple(self._key_window.shape[:2])}"
             )
+
+
+@dataclass
+class _Static:
+    """A static store's state (:meth:`KVStore.make_static`)."""
+
+    lengths: Tensor  # int64 [2] on the store's device: valid codes, valid window tokens
+    window: int  # valid window tokens, on the host
+    headroom: int  # tokens of code capacity reserved at a time
 
 
 def _check_scale(scale: Tensor | None, dim: int) -> Tensor | None:
