@@ -23,7 +23,9 @@ Every number comes from one run on one GPU:
   decode throughput (tokens/s) at 32k context with the batch that fits, and the bytes it allocated there.
 
 TQCache presets: window 128, the first and last 2 layers dense; ``-p0`` (e.g. ``tq4-p0``): no dense
-layers.
+layers. ``static``: transformers' StaticCache (bf16, sized for the row's tokens). A ``+graph`` suffix
+(``tq4-p0+graph``, ``static+graph``) runs the decode steps through ``tqindex.kv.DecodeGraph``: each step
+replayed from a CUDA graph (caches whose layers fill in place only: no dense TQCache layers).
 
 Results: ``gpu_attention.json`` (rewritten after every measurement) and ``gpu_attention.md`` in ``--out``.
 
@@ -52,7 +54,7 @@ import _sdpa  # noqa: E402
 from _gpu import bench, gpu_time, roofline  # noqa: E402
 
 import tqindex as tq  # noqa: E402
-from tqindex.kv import TQCache  # noqa: E402
+from tqindex.kv import DecodeGraph, TQCache  # noqa: E402
 from tqindex.kv.attention import compressed_attention, dense_attention  # noqa: E402
 from tqindex.kv.sessions import allocated_bytes  # noqa: E402
 from tqindex.kv.store import CompressedTokens  # noqa: E402
@@ -151,11 +153,16 @@ def llama8b(device: torch.device, layers: int) -> Any:
     return model
 
 
-def make_cache(kind: str, model: Any) -> Any:
-    from transformers import DynamicCache
+def make_cache(kind: str, model: Any, tokens: int) -> Any:
+    """The cache ``kind`` names (module notes; a ``+graph`` suffix is the decoding's, not the cache's) for
+    ``tokens`` tokens per row."""
+    from transformers import DynamicCache, StaticCache
 
-    if kind == "dynamic":
+    kind = kind.removesuffix("+graph")
+    if kind in ("dynamic", "static"):
         model.set_attn_implementation("sdpa")
+        if kind == "static":
+            return StaticCache(config=model.config, max_cache_len=tokens)
         return DynamicCache(config=model.config)
     model.set_attn_implementation("tqindex")
     preset, _, dense = kind.partition("-p")  # "tq4-p0": no dense layers
@@ -193,27 +200,30 @@ def fill(model: Any, cache: Any, batch: int, context: int, prefill: bool, device
             n = min(PREFILL_CHUNK, context - i)
             kv = [torch.randn(batch, cfg.num_key_value_heads, n, cfg.head_dim, generator=g, device=device,
                               dtype=torch.bfloat16) for _ in range(2)]
-            cache.update(kv[0], kv[1], layer)
+            cache.update(kv[0], kv[1], layer, {"cache_position": torch.arange(i, i + n, device=device)})
     return 0.0
 
 
 @torch.no_grad()
-def decode_ms(model: Any, cache: Any, batch: int, device: torch.device) -> float:
+def decode_ms(model: Any, cache: Any, batch: int, device: torch.device, graph: bool = False) -> float:
     """Mean ms of one decode step over DECODE_STEPS consecutive one-token steps (after WARMUP_STEPS), as real
     decoding runs them: the cache grows, and a TQCache encodes what leaves its windows (``encode_stride``
-    divides DECODE_STEPS: every layer encodes the same number of times in any such span). The cache is then
-    cropped back to its length before the warm-up."""
+    divides DECODE_STEPS: every layer encodes the same number of times in any such span); ``graph``: through
+    :class:`DecodeGraph` (the warm-up steps include its eager first step and its recording). A growing cache is
+    then cropped back to its length before the warm-up."""
     ids = torch.randint(2, model.config.vocab_size, (batch, 1), device=device)
     kw = {cache_kw(model): cache}
-    length = cache.get_seq_length()
+    step = DecodeGraph(model, cache) if graph else lambda x: model(input_ids=x, **kw, logits_to_keep=1)
+    length = cache.get_seq_length() if hasattr(cache, "crop") else 0
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for i in range(WARMUP_STEPS + DECODE_STEPS):
         if i == WARMUP_STEPS:
             a.record()
-        model(input_ids=ids, **kw, logits_to_keep=1)
+        step(ids)
     b.record()
     b.synchronize()
-    cache.crop(length - cache.get_seq_length())  # a negative count removes that many tokens (every 5.x)
+    if hasattr(cache, "crop"):
+        cache.crop(length - cache.get_seq_length())  # a negative count removes that many tokens (every 5.x)
     return a.elapsed_time(b) / DECODE_STEPS
 
 
@@ -231,11 +241,11 @@ def e2e_rows(results: _run.Results, device: torch.device, args: argparse.Namespa
             prefill = args.prefill or (context, batch) == (32768, 8)
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-            cache = make_cache(kind, model)
+            cache = make_cache(kind, model, context + WARMUP_STEPS + DECODE_STEPS)
             try:
                 with _sdpa.backends(args.sdpa):
                     prefill_s = fill(model, cache, batch, context, prefill, device)
-                    step = decode_ms(model, cache, batch, device)
+                    step = decode_ms(model, cache, batch, device, kind.endswith("+graph"))
             except torch.OutOfMemoryError:
                 results.data["e2e"][key] = {"oom": True}
                 results.save()
@@ -263,11 +273,11 @@ def e2e_rows(results: _run.Results, device: torch.device, args: argparse.Namespa
         tokens = int(budget // bytes_per_token)
         batch = max(1, tokens // context)
         torch.cuda.empty_cache()
-        cache = make_cache(kind, model)
+        cache = make_cache(kind, model, context + WARMUP_STEPS + DECODE_STEPS)
         try:
             with _sdpa.backends(args.sdpa):
                 fill(model, cache, batch, context, False, device)
-                step = decode_ms(model, cache, batch, device)
+                step = decode_ms(model, cache, batch, device, kind.endswith("+graph"))
             row = {"tokens_held": tokens, "batch": batch, "context": context, "step_ms": step,
                    "tokens_per_s": batch / step * 1e3, "cache_GiB": held_bytes(cache) / GiB,
                    "allocated_GiB": allocated_bytes(cache) / GiB}
@@ -343,18 +353,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--budget-gib", type=float, default=40.0, help="the fixed KV budget (GiB)")
     p.add_argument("--sections", default="kernel,e2e")
     p.add_argument("--caches", default="dynamic,tq4,tq4-p0,k8v4,tq3",
-                   help="caches of the end-to-end rows: dynamic, or a TQCache preset (" + ", ".join(PRESETS)
-                   + ") with an optional -pN (N dense layers at each end; default 2)")
+                   help="caches of the end-to-end rows: dynamic, static, or a TQCache preset (" + ", ".join(PRESETS)
+                   + ") with an optional -pN (N dense layers at each end; default 2); a +graph suffix decodes "
+                   "through DecodeGraph (CUDA graphs)")
     p.add_argument("--sdpa", choices=_sdpa.BACKENDS, default="flash",
                    help="SDPA backends of the end-to-end rows (DynamicCache, TQCache's dense layers): flash (flash, "
                    "memory-efficient for masked prefill chunks) or torch's default choice")
     p.add_argument("--restart", action="store_true", help="measure afresh instead of continuing --out's run")
     args = p.parse_args(argv)
-    unknown = {c for c in args.caches.split(",") if c != "dynamic" and not re.fullmatch(
-        f"({'|'.join(PRESETS)})(-p[0-9]+)?", c)}
+    unknown = {c for c in args.caches.split(",") if not re.fullmatch(
+        f"(dynamic|static\\+graph|({'|'.join(PRESETS)})(-p[0-9]+)?(\\+graph)?)", c)}
     if unknown:
-        p.error(f"unknown caches {', '.join(sorted(unknown))} (dynamic, or a preset {', '.join(PRESETS)} with an "
-                "optional -pN: N dense layers at each end)")
+        p.error(f"unknown caches {', '.join(sorted(unknown))} (dynamic, static+graph, or a preset "
+                f"{', '.join(PRESETS)} with an optional -pN: N dense layers at each end, and +graph)")
     if not torch.cuda.is_available():
         raise SystemExit("gpu_attention.py needs a CUDA GPU")
     device = torch.device("cuda")

@@ -5,7 +5,8 @@
 this package registers the ``"tqindex"`` attention implementation with it when it is installed, and
 ``TQCache`` as a torch pytree node (for ``torch.export``). ``FP8Cache`` / ``FP8Layer`` (:mod:`tqindex.kv.fp8`,
 transformers too) are the FP8 baseline; ``SessionStore`` (:mod:`tqindex.kv.sessions`) serves many sessions'
-caches of one model under a byte budget. ``KVPolicy`` (:mod:`tqindex.kv.policy`) describes a cache layer by
+caches of one model under a byte budget; ``DecodeGraph`` (:mod:`tqindex.kv.decode_graph`, transformers too)
+replays one-token decode steps from a CUDA graph. ``KVPolicy`` (:mod:`tqindex.kv.policy`) describes a cache layer by
 layer, and ``calibrate`` (:mod:`tqindex.kv.calibrate`, transformers too) chooses one for a model under a
 bit budget.
 """
@@ -20,6 +21,7 @@ from .store import CodesBuffer, CompressedTokens, KVStore
 __all__ = [
     "CodesBuffer",
     "CompressedTokens",
+    "DecodeGraph",
     "ExtendResult",
     "FP8Cache",
     "FP8Layer",
@@ -43,6 +45,7 @@ __all__ = [
 
 try:  # importing hf registers the "tqindex" attention implementation with transformers
     from .calibrate import Sensitivity, calibrate, key_scales, measure_sensitivity, policy_for_budget
+    from .decode_graph import DecodeGraph
     from .fp8 import FP8Cache, FP8Layer
     from .hf import TQCache, TQLayer
 except ImportError as err:  # transformers missing: storage and attention still work
@@ -52,7 +55,7 @@ except ImportError as err:  # transformers missing: storage and attention still 
 
     def __getattr__(name: str) -> Any:
         if name in ("TQCache", "TQLayer", "FP8Cache", "FP8Layer", "calibrate", "key_scales", "measure_sensitivity",
-                    "policy_for_budget", "Sensitivity"):
+                    "policy_for_budget", "Sensitivity", "DecodeGraph"):
             raise ImportError(
                 f"tqindex.kv.{name} needs transformers >= 5.0: pip install 'tqindex[kv]' ({_HF_ERROR})"
             ) from _HF_ERROR

@@ -631,6 +631,11 @@ class KVStore:
             static.lengths[1].fill_(static.window)
         return static.window + tokens <= capacity
 
+    def static_state(self) -> tuple:
+        """What a recorded step over this static store depends on besides the lengths: its buffers (compared by
+        identity and address) and the sink count."""
+        return self._static, self.keys.data.qdata.data_ptr(), self.values.data.qdata.data_ptr(), self.sink_held
+
     def advance(self, tokens: int = 1) -> None:
         """Static store: count ``tokens`` appended on the device alone (a replayed CUDA graph's append)."""
         self._static.window += tokens
@@ -672,7 +677,7 @@ class KVStore:
             )
 
 
-@dataclass
+@dataclass(eq=False)
 class _Static:
     """A static store's state (:meth:`KVStore.make_static`)."""
 

@@ -1,0 +1,107 @@
+"""DecodeGraph: decode steps over static stores (eagerly on CPU, replayed from CUDA graphs on a GPU) give the
+logits of ordinary decoding over a growing cache."""
+
+import pytest
+import torch
+from transformers import DynamicCache, StaticCache
+
+from tiny import CACHE_KW, llama_config, prompt, seeded
+from tqindex import kernels
+from tqindex.kv import DecodeGraph, TQCache
+
+torch.set_num_threads(1)
+CUDA = torch.device("cuda")
+
+
+def _model(device: torch.device = torch.device("cpu"), dtype: torch.dtype = torch.float32):
+    from transformers import LlamaForCausalLM
+
+    model = seeded(LlamaForCausalLM, llama_config()).to(device, dtype)
+    model.set_attn_implementation("tqindex")
+    return model
+
+
+def _cache(model, backend: str | None = None) -> TQCache:
+    return TQCache(model.config, "tq4", "tq3", residual_length=4, protected_layers=0, sink_length=2,
+                   encode_stride=3, backend=backend)
+
+
+def _decode(model, cache, ids: torch.Tensor, steps: int, graph: DecodeGraph | None) -> list[torch.Tensor]:
+    """Prefill ``ids``, then ``steps`` greedy one-token steps (through ``graph`` if given) -> logits per step."""
+    with torch.no_grad():
+        logits = model(input_ids=ids, **{CACHE_KW: cache}, logits_to_keep=1).logits[:, -1]
+        out = []
+        for _ in range(steps):
+            token = logits.argmax(-1, keepdim=True)
+            logits = graph(token) if graph else model(input_ids=token, **{CACHE_KW: cache}).logits[:, -1]
+            out.append(logits.float())
+    return out
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_static_steps_give_the_logits_of_growing_steps(backend):
+    if not kernels.can_run(backend, torch.device("cpu")):
+        pytest.skip(f"{backend} cannot run here")
+    dtype = torch.float16 if backend == "triton" else torch.float32  # the interpreter's dot: fp16
+    model, ids = _model(dtype=dtype), prompt(2, 9)
+    steps = 12 if backend == "torch" else 5
+    want = _decode(model, _cache(model, backend), ids, steps, None)
+    cache = _cache(model, backend)
+    got = _decode(model, cache, ids, steps, DecodeGraph(model, cache, headroom=2))
+    assert all(layer.store.static for layer in cache.layers)
+    assert cache.get_seq_length() == ids.shape[1] + steps
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+    cache.crop(-steps)  # edits return the stores to the growing mode
+    assert not any(layer.store.static for layer in cache.layers)
+
+
+def test_caches_that_grow_by_concatenation_are_refused():
+    model = _model()
+    ids = prompt(1, 5)
+    for cache, match in ((DynamicCache(config=model.config), "DynamicLayer"),
+                         (TQCache(model.config, protected_layers=1), "protected_layers=0")):
+        with torch.no_grad():
+            model(input_ids=ids, **{CACHE_KW: cache})
+        with pytest.raises(ValueError, match=match):
+            DecodeGraph(model, cache)(ids[:, :1])
+    cache = _cache(model)
+    graph = DecodeGraph(model, cache)
+    with pytest.raises(ValueError, match="prefill"):
+        graph(ids[:, :1])
+    with torch.no_grad():
+        model(input_ids=ids, **{CACHE_KW: cache})
+    for bad in (ids, ids[:, :1].int(), ids[0, :1]):
+        with pytest.raises(ValueError, match=r"long tensor \[B, 1\]"):
+            graph(bad)
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(ValueError, match="'tqindex' attention"):
+        graph(ids[:, :1])
+    with pytest.raises(ValueError, match="headroom"):
+        DecodeGraph(model, cache, headroom=-1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_replayed_graphs_give_the_logits_of_growing_steps_on_cuda():
+    model = _model(CUDA, torch.float16)
+    ids = prompt(2, 40).to(CUDA)
+    want = _decode(model, _cache(model), ids, 40, None)
+    cache = _cache(model)
+    graph = DecodeGraph(model, cache, headroom=8)
+    got = _decode(model, cache, ids, 40, graph)
+    assert graph.recordings >= 2  # the code buffers grew at least once in 40 steps
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+    assert [a.argmax(-1).tolist() for a in got] == [b.argmax(-1).tolist() for b in want]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_replayed_static_cache_gives_the_logits_of_a_dynamic_cache():
+    model = _model(CUDA, torch.float16)
+    model.set_attn_implementation("sdpa")
+    ids = prompt(2, 20).to(CUDA)
+    want = _decode(model, DynamicCache(config=model.config), ids, 10, None)
+    cache = StaticCache(config=model.config, max_cache_len=64)
+    got = _decode(model, cache, ids, 10, DecodeGraph(model, cache))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)

@@ -1,0 +1,146 @@
+"""One-token decode steps replayed from a CUDA graph: a model step's host time paid once, not at every token.
+
+A decode step of a transformers model launches hundreds of small kernels from Python; on a fast GPU the
+host's launch work, not the GPU, sets the step time (a Llama-8B-shaped model spends about 20 ms of host time
+on a step whose kernels need a few). :class:`DecodeGraph` records the step of a given batch size as a CUDA
+graph and replays it for every later token: one launch, and between replays only the host work the graph
+cannot do.
+
+A graph replays the same kernels on the same memory, so every cache layer must fill in place:
+
+- TQCache's compressed layers (``TQLayer``, attention implementation "tqindex"): their stores are made
+  static at the first step (:meth:`tqindex.kv.store.KVStore.make_static`: a fixed-capacity window written
+  at a position held on the device, the attention kernel reading the valid lengths there). Between replays
+  the host makes room in each window (encoding the tokens that leave it, once every ``encode_stride`` steps)
+  and counts the appended token; the step is recorded again when a code buffer had to grow (every
+  ``headroom`` tokens) or an edit (``crop``, ``reorder_cache``, ...) returned a store to the growing mode.
+  Attention reads the same tokens as without the graph.
+- transformers' ``StaticLayer`` (``StaticCache``): its update writes at positions on the device.
+
+Layers that grow by concatenation (``DynamicLayer``: TQCache's protected layers, ``DynamicCache``) cannot be
+replayed: ValueError naming the layer (use ``protected_layers=0``). On a device other than CUDA the steps run
+eagerly, in the same static mode (how the CPU tests check it). Between steps, other forward passes over
+the cache are allowed for TQCache layers (their lengths are read from the stores), not for a StaticCache
+(its length is counted here).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import Tensor
+from transformers.cache_utils import StaticLayer
+
+from ..checks import check_int
+from .hf import ATTN_IMPLEMENTATION, TQLayer
+from .store import STATIC_HEADROOM, KVStore
+
+
+class DecodeGraph:
+    """One-token decode steps of ``model`` over ``cache``, recorded as a CUDA graph and replayed (module notes).
+
+    model: a transformers causal LM on its device; cache: a prefilled ``TQCache`` whose full-attention layers
+    are all compressed (``protected_layers=0``) or a ``StaticCache``, not used by other code between steps
+    except as the module notes allow; headroom: tokens of code capacity reserved at a time.
+    ``recordings`` counts the graphs recorded so far.
+    """
+
+    def __init__(self, model: torch.nn.Module, cache: Any, *, headroom: int = STATIC_HEADROOM) -> None:
+        self.model, self.cache = model, cache
+        self.headroom = check_int(headroom, "headroom", 0)
+        self._kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._key: tuple | None = None
+        self._pool = None
+        self._steps = 0
+        self._position: int | None = None  # tokens held, counted here for caches without TQLayers
+        self.recordings = 0
+
+    @torch.no_grad()
+    def __call__(self, input_ids: Tensor) -> Tensor:
+        """Append one token per sequence: input_ids long [B, 1] on the model's device -> the logits of the next
+        token, [B, vocab] in the model's dtype (a new tensor)."""
+        device = self.model.device
+        if not isinstance(input_ids, Tensor) or input_ids.dtype != torch.long or input_ids.dim() != 2 \
+                or input_ids.shape[1] != 1:
+            raise ValueError(f"input_ids must be a long tensor [B, 1], got {_describe(input_ids)}")
+        if input_ids.device != device:
+            raise ValueError(f"input_ids must be on the model's device {device}, got {input_ids.device}")
+        stores = self._prepare()
+        position = stores[0].seq_length if stores else self._position
+        key = (input_ids.shape[0], *(store.static_state() for store in stores), *self._static_layers())
+        if device.type != "cuda" or self._steps == 0:  # the first step runs eagerly: kernels compile, libraries load
+            self._steps += 1
+            self._position = position + 1
+            return self._forward(input_ids, position, eager=True)
+        if key != self._key:
+            self._record(input_ids, position, key)  # the recording runs the model code once: stores count it
+        else:
+            self._inputs(input_ids, position)
+            self._graph.replay()
+            for store in stores:
+                store.advance(1)
+        self._steps += 1
+        self._position = position + 1
+        return self._logits.clone()
+
+    # -- steps -------------------------------------------------------------------------------------
+    def _prepare(self) -> list[KVStore]:
+        """Check the cache's layers; make the TQLayers' stores static, with room for this step's token."""
+        if getattr(self.model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION and any(
+                isinstance(layer, TQLayer) for layer in self.cache.layers):
+            raise ValueError(f"DecodeGraph over a TQCache needs the {ATTN_IMPLEMENTATION!r} attention "
+                             f"(model.set_attn_implementation({ATTN_IMPLEMENTATION!r}))")
+        stores = []
+        for i, layer in enumerate(self.cache.layers):
+            if isinstance(layer, TQLayer):
+                if not layer.is_initialized:
+                    raise ValueError(f"prefill the cache before decoding with DecodeGraph (layer {i} is empty)")
+                layer.store.make_static(self.headroom)
+                layer.store.prepare(1)
+                stores.append(layer.store)
+            elif not isinstance(layer, StaticLayer):
+                raise ValueError(f"cache layer {i} is a {type(layer).__name__}, which grows by concatenation and "
+                                 "cannot be replayed from a CUDA graph: use TQCache(..., protected_layers=0) or a "
+                                 "StaticCache")
+        if not stores and self._position is None:
+            self._position = int(self.cache.get_seq_length())  # once (a device read on some releases)
+        return stores
+
+    def _static_layers(self) -> tuple[int, ...]:
+        """Addresses of the StaticLayers' buffers (allocated at their first update)."""
+        return tuple(layer.keys.data_ptr() for layer in self.cache.layers
+                     if isinstance(layer, StaticLayer) and layer.is_initialized)
+
+    def _inputs(self, input_ids: Tensor, position: int) -> None:
+        self._ids.copy_(input_ids)
+        self._cache_position.fill_(position)
+
+    def _forward(self, input_ids: Tensor, position: int, eager: bool = False) -> Tensor:
+        """The model's step over the static inputs -> logits [B, vocab] (eager: on fresh inputs)."""
+        if eager:
+            self._ids = input_ids.clone()
+            self._cache_position = torch.full((1,), position, dtype=torch.long, device=input_ids.device)
+        ids, cache_position = self._ids, self._cache_position
+        out = self.model(input_ids=ids, position_ids=cache_position.view(1, 1).expand(ids.shape[0], 1),
+                         cache_position=cache_position, use_cache=True, logits_to_keep=1, **{self._kw: self.cache})
+        return out.logits[:, -1]
+
+    def _record(self, input_ids: Tensor, position: int, key: tuple) -> None:
+        """Record the step as a CUDA graph (replacing the previous one) and run it once."""
+        self._graph = self._logits = None
+        self._ids, self._cache_position = input_ids.clone(), torch.full((1,), position, dtype=torch.long,
+                                                                         device=input_ids.device)
+        self._pool = self._pool or torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._logits = self._forward(input_ids, position)
+        graph.replay()
+        self._graph, self._key = graph, key
+        self.recordings += 1
+
+
+def _describe(x: Any) -> str:
+    return f"{x.dtype} {tuple(x.shape)}" if isinstance(x, Tensor) else type(x).__name__
