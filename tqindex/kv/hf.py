@@ -91,8 +91,19 @@ def tq_attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
+def tq_attention_mask(*args: Any, **kwargs: Any) -> Tensor | None:
+    """The mask of the "tqindex" attention: transformers' ``sdpa_mask``, except for one query token per
+    sequence without padding or a local window while a CUDA graph is recorded (``DecodeGraph``): None (every
+    held key visible), which ``sdpa_mask`` of some releases does not return while recording."""
+    q_length = kwargs["q_length"] if "q_length" in kwargs else kwargs["cache_position"].shape[0]
+    if (torch.cuda.is_current_stream_capturing() and q_length == 1 and kwargs.get("attention_mask") is None
+            and kwargs.get("local_size") is None and kwargs.get("allow_is_causal_skip", True)):
+        return None
+    return sdpa_mask(*args, **kwargs)
+
+
 AttentionInterface.register(ATTN_IMPLEMENTATION, tq_attention_forward)
-AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, tq_attention_mask)
 
 
 class TQLayer(CacheLayerMixin):
