@@ -213,8 +213,11 @@ def decode_ms(model: Any, cache: Any, batch: int, device: torch.device, graph: b
     then cropped back to its length before the warm-up."""
     ids = torch.randint(2, model.config.vocab_size, (batch, 1), device=device)
     kw = {cache_kw(model): cache}
+    from transformers import StaticCache
+
     step = DecodeGraph(model, cache) if graph else lambda x: model(input_ids=x, **kw, logits_to_keep=1)
-    length = cache.get_seq_length() if hasattr(cache, "crop") else 0
+    growing = not isinstance(cache, StaticCache)
+    length = cache.get_seq_length() if growing else 0
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for i in range(WARMUP_STEPS + DECODE_STEPS):
         if i == WARMUP_STEPS:
@@ -222,7 +225,7 @@ def decode_ms(model: Any, cache: Any, batch: int, device: torch.device, graph: b
         step(ids)
     b.record()
     b.synchronize()
-    if hasattr(cache, "crop"):
+    if growing:
         cache.crop(length - cache.get_seq_length())  # a negative count removes that many tokens (every 5.x)
     return a.elapsed_time(b) / DECODE_STEPS
 
