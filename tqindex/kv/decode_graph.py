@@ -53,7 +53,6 @@ class DecodeGraph:
         self._kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self._graph: torch.cuda.CUDAGraph | None = None
         self._key: tuple | None = None
-        self._pool = None
         self._steps = 0
         self._position: int | None = None  # tokens held, counted here for caches without TQLayers
         self.recordings = 0
@@ -133,9 +132,8 @@ class DecodeGraph:
         self._graph = self._logits = None
         self._ids, self._cache_position = input_ids.clone(), torch.full((1,), position, dtype=torch.long,
                                                                          device=input_ids.device)
-        self._pool = self._pool or torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph):  # its own memory pool: the previous graph's was freed with it
             self._logits = self._forward(input_ids, position)
         graph.replay()
         self._graph, self._key = graph, key
