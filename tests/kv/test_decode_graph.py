@@ -7,7 +7,7 @@ from transformers import DynamicCache, StaticCache
 
 from tiny import CACHE_KW, llama_config, prompt, seeded
 from tqindex import kernels
-from tqindex.kv import DecodeGraph, TQCache
+from tqindex.kv import DecodeGraph, TQCache, TQLayer
 
 torch.set_num_threads(1)
 CUDA = torch.device("cuda")
@@ -21,8 +21,8 @@ def _model(device: torch.device = torch.device("cpu"), dtype: torch.dtype = torc
     return model
 
 
-def _cache(model, backend: str | None = None) -> TQCache:
-    return TQCache(model.config, "tq4", "tq3", residual_length=4, protected_layers=0, sink_length=2,
+def _cache(model, backend: str | None = None, protected: int = 0) -> TQCache:
+    return TQCache(model.config, "tq4", "tq3", residual_length=4, protected_layers=protected, sink_length=2,
                    encode_stride=3, backend=backend)
 
 
@@ -56,19 +56,37 @@ def test_static_steps_give_the_logits_of_growing_steps(backend):
     assert not any(layer.store.static for layer in cache.layers)
 
 
+def test_dense_layers_become_layers_that_keep_every_token():
+    """A TQCache's protected layers become TQLayers whose window holds every token: the same values, the same
+    bytes, the same logits (their buffers fill, and grow, every 3 steps here)."""
+    model, ids = _model(), prompt(2, 9)
+    growing = _cache(model, protected=1)
+    want = _decode(model, growing, ids, 8, None)
+    cache = _cache(model, protected=1)
+    got = _decode(model, cache, ids, 8, DecodeGraph(model, cache, headroom=3))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    for i in (0, 3):
+        layer = cache.layers[i]
+        assert isinstance(layer, TQLayer) and layer.store.compressed_length == 0
+        torch.testing.assert_close(layer.keys, growing.layers[i].keys)  # (layer 3's: after float-rounded layers)
+        torch.testing.assert_close(layer.values, growing.layers[i].values)
+        assert layer.nbytes() == 2 * layer.keys.numel() * layer.keys.element_size()
+
+
 def test_caches_that_grow_by_concatenation_are_refused():
     model = _model()
     ids = prompt(1, 5)
-    for cache, match in ((DynamicCache(config=model.config), "DynamicLayer"),
-                         (TQCache(model.config, protected_layers=1), "protected_layers=0")):
-        with torch.no_grad():
-            model(input_ids=ids, **{CACHE_KW: cache})
-        with pytest.raises(ValueError, match=match):
-            DecodeGraph(model, cache)(ids[:, :1])
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids, **{CACHE_KW: cache})
+    with pytest.raises(ValueError, match="DynamicLayer"):
+        DecodeGraph(model, cache)(ids[:, :1])
+    for protected in (0, 1):
+        with pytest.raises(ValueError, match="prefill"):
+            DecodeGraph(model, _cache(model, protected=protected))(ids[:, :1])
     cache = _cache(model)
     graph = DecodeGraph(model, cache)
-    with pytest.raises(ValueError, match="prefill"):
-        graph(ids[:, :1])
     with torch.no_grad():
         model(input_ids=ids, **{CACHE_KW: cache})
     for bad in (ids, ids[:, :1].int(), ids[0, :1]):

@@ -46,6 +46,7 @@ def test_static_store_holds_what_a_growing_one_holds_at_every_step(prefill):
     q = torch.randn(2, 4, 1, D, generator=torch.Generator().manual_seed(1))
     for step in range(30):
         k, v = _tokens(1, seed=step + 1)
+        static.make_static(headroom=4)  # before each step, as DecodeGraph does: a larger buffer when full
         for store in (growing, static):
             store.append(k, v)
         held = growing.view()

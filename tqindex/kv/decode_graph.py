@@ -15,10 +15,14 @@ A graph replays the same kernels on the same memory, so every cache layer must f
   and counts the appended token; the step is recorded again when a code buffer had to grow (every
   ``headroom`` tokens) or an edit (``crop``, ``reorder_cache``, ...) returned a store to the growing mode.
   Attention reads the same tokens as without the graph.
+- TQCache's dense layers (``DynamicLayer``: protected layers): turned into TQLayers whose window keeps every
+  token (:func:`dense_layer`: the same keys and values, in place of the DynamicLayer in ``cache.layers``),
+  attended by the kernel's full-precision path; their buffer leaves ``headroom`` tokens free, and the step
+  is recorded again when it fills.
 - transformers' ``StaticLayer`` (``StaticCache``): its update writes at positions on the device.
 
-Layers that grow by concatenation (``DynamicLayer``: TQCache's protected layers, ``DynamicCache``) cannot be
-replayed: ValueError naming the layer (use ``protected_layers=0``). On a device other than CUDA the steps run
+Other layers that grow by concatenation (a ``DynamicCache``'s, sliding windows) cannot be replayed:
+ValueError naming the layer. On a device other than CUDA the steps run
 eagerly, in the same static mode (how the CPU tests check it). Between steps, other forward passes over
 the cache are allowed for TQCache layers (their lengths are read from the stores), not for a StaticCache
 (its length is counted here).
@@ -27,29 +31,34 @@ the cache are allowed for TQCache layers (their lengths are read from the stores
 from __future__ import annotations
 
 import inspect
+from functools import lru_cache
 from typing import Any
 
 import torch
 from torch import Tensor
-from transformers.cache_utils import StaticLayer
+from transformers.cache_utils import DynamicLayer, StaticLayer
 
 from ..checks import check_int
-from .hf import ATTN_IMPLEMENTATION, TQLayer
+from ..encoder import Encoder, make_encoder
+from .hf import ATTN_IMPLEMENTATION, TQCache, TQLayer
 from .store import STATIC_HEADROOM, KVStore
+
+KEEP_ALL = 1 << 62
+"""``residual_length`` of a dense layer's store (:func:`dense_layer`): no token ever leaves its window."""
 
 
 class DecodeGraph:
     """One-token decode steps of ``model`` over ``cache``, recorded as a CUDA graph and replayed (module notes).
 
-    model: a transformers causal LM on its device; cache: a prefilled ``TQCache`` whose full-attention layers
-    are all compressed (``protected_layers=0``) or a ``StaticCache``, not used by other code between steps
-    except as the module notes allow; headroom: tokens of code capacity reserved at a time.
+    model: a transformers causal LM on its device; cache: a prefilled ``TQCache`` (its dense layers are turned
+    into TQLayers, module notes) or a ``StaticCache``, not used by other code between steps except as the
+    module notes allow; headroom: tokens of code (and dense window) capacity reserved at a time, >= 1.
     ``recordings`` counts the graphs recorded so far.
     """
 
     def __init__(self, model: torch.nn.Module, cache: Any, *, headroom: int = STATIC_HEADROOM) -> None:
         self.model, self.cache = model, cache
-        self.headroom = check_int(headroom, "headroom", 0)
+        self.headroom = check_int(headroom, "headroom", 1)
         self._kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self._graph: torch.cuda.CUDAGraph | None = None
         self._key: tuple | None = None
@@ -94,16 +103,17 @@ class DecodeGraph:
                              f"(model.set_attn_implementation({ATTN_IMPLEMENTATION!r}))")
         stores = []
         for i, layer in enumerate(self.cache.layers):
+            if isinstance(layer, TQLayer) and not layer.is_initialized or type(layer) is DynamicLayer and isinstance(
+                    self.cache, TQCache) and not layer.is_initialized:
+                raise ValueError(f"prefill the cache before decoding with DecodeGraph (layer {i} is empty)")
+            if type(layer) is DynamicLayer and isinstance(self.cache, TQCache):
+                layer = self.cache.layers[i] = dense_layer(layer, self.cache._text_config)
             if isinstance(layer, TQLayer):
-                if not layer.is_initialized:
-                    raise ValueError(f"prefill the cache before decoding with DecodeGraph (layer {i} is empty)")
-                layer.store.make_static(self.headroom)
-                layer.store.prepare(1)
+                layer.store.make_static(self.headroom)  # with room for this step's token
                 stores.append(layer.store)
             elif not isinstance(layer, StaticLayer):
                 raise ValueError(f"cache layer {i} is a {type(layer).__name__}, which grows by concatenation and "
-                                 "cannot be replayed from a CUDA graph: use TQCache(..., protected_layers=0) or a "
-                                 "StaticCache")
+                                 "cannot be replayed from a CUDA graph: use a TQCache or a StaticCache")
         if not stores and self._position is None:
             self._position = int(self.cache.get_seq_length())  # once (a device read on some releases)
         return stores
@@ -138,6 +148,22 @@ class DecodeGraph:
         graph.replay()
         self._graph, self._key = graph, key
         self.recordings += 1
+
+
+def dense_layer(layer: DynamicLayer, config: Any = None) -> TQLayer:
+    """A TQLayer holding a DynamicLayer's keys and values [B, H, T, D] in a window that keeps every token
+    (nothing is ever encoded: the same values, read by the attention kernel's full-precision path); its
+    encoders only give the kernel its tables. ``config``: the model's text config, as for TQLayer."""
+    keys, values = layer.keys, layer.values
+    dense = TQLayer(_encoder(keys.shape[-1]), _encoder(values.shape[-1]), KEEP_ALL, config)
+    dense.lazy_initialization(keys, values)
+    dense.store.append(keys, values)
+    return dense
+
+
+@lru_cache(maxsize=None)
+def _encoder(dim: int) -> Encoder:
+    return make_encoder("tq4", dim)
 
 
 def _describe(x: Any) -> str:

@@ -77,7 +77,7 @@ def tq_attention_forward(
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     if isinstance(key, CompressedTokens):
-        if key.codes.shape[2] > 0:
+        if key.codes.shape[2] > 0 or key.lengths is not None:
             attend = compressed_attention_ref if tracing() else compressed_attention
             out = attend(query, key, value, attention_mask, scaling, softcap=softcap, causal=causal)
             return out.transpose(1, 2).contiguous(), None

@@ -570,23 +570,28 @@ class KVStore:
         """Whether the window is a fixed-capacity buffer (:meth:`make_static`)."""
         return self._static is not None
 
-    def make_static(self, headroom: int = STATIC_HEADROOM) -> None:
-        """Hold the window in a buffer of ``sink_length + residual_length + encode_stride`` tokens and the numbers
-        of valid codes and window tokens on the device too (``CompressedTokens.lengths``), the code buffers
-        with room for ``headroom`` more tokens: appends then write at positions read on the device and
+    def make_static(self, headroom: int = STATIC_HEADROOM, room: int = 1) -> None:
+        """Hold the window in a buffer of ``sink_length + residual_length + encode_stride`` tokens (at most
+        ``headroom`` beyond those it holds: a store whose window keeps every token is a dense layer) and the
+        numbers of valid codes and window tokens on the device too (``CompressedTokens.lengths``), the code
+        buffers with room for ``headroom`` more tokens: appends then write at positions read on the device and
         :meth:`view` hands out the same tensors at every step, so that a decode step can be recorded as a CUDA
-        graph and replayed as the store fills. Tokens leave the window as in the growing mode (attention reads
-        the same tokens at every step), encoded by :meth:`prepare` before the step that would overflow it.
-        ``crop``, ``select``, ``to`` and appends longer than the window return to the growing mode (as does
-        :meth:`make_dynamic`). Does nothing on a static store; ValueError on an empty one."""
-        check_int(headroom, "headroom", 0)
+        graph and replayed as the store fills. Then make room for ``room`` new tokens (:meth:`prepare`; a
+        static store is given a larger buffer where its window must grow). Tokens leave the window as in the
+        growing mode (attention reads the same tokens at every step), encoded by :meth:`prepare` before the step
+        that would overflow it. ``crop``, ``select``, ``to`` and appends that do not fit return to the growing
+        mode (as does :meth:`make_dynamic`). ValueError on an empty store."""
+        check_int(headroom, "headroom", 1)
+        check_int(room, "room", 0)
         if self._static is not None:
-            return
+            if self.prepare(room):
+                return
+            self.make_dynamic()
         if self.keys is None:
             raise ValueError("the KVStore is empty: append tokens before make_static")
         self.settle()  # the window now holds fewer than encode_stride tokens beyond its sinks and residual_length
         held = self.window_length
-        capacity = self.sink_length + self.residual_length + self.encode_stride
+        capacity = min(self.sink_length + self.residual_length + self.encode_stride, held + max(headroom, room))
         buffers = []
         for window in (self._key_window, self._value_window):
             buffer = window.new_empty(*window.shape[:2], capacity, window.shape[3])
@@ -597,6 +602,7 @@ class KVStore:
         lengths = torch.tensor([self.compressed_length, held], dtype=torch.int64).to(buffers[0].device)
         self._key_window, self._value_window = buffers
         self._static = _Static(lengths, held, headroom)
+        self.prepare(room)
 
     def make_dynamic(self) -> None:
         """Back to the growing mode (the window cut to its valid tokens); does nothing on a growing store."""
@@ -607,15 +613,16 @@ class KVStore:
 
     def prepare(self, tokens: int = 1) -> bool:
         """Static store: make room in the window for ``tokens`` new tokens, encoding its tokens beyond the sinks
-        and the newest ``residual_length`` where it is full (the code buffers grow by ``headroom`` when they
-        must). Returns whether they fit (False: more than the window can hold)."""
+        and the newest ``residual_length`` where it is full and they are ``encode_stride`` at least (the code
+        buffers grow by ``headroom`` when they must). Returns whether the tokens fit (False: the buffer is too
+        small; :meth:`make_dynamic` then :meth:`make_static` gives a larger one where the window may grow)."""
         static = self._static
         capacity = self._key_window.shape[2]
         if static.window + tokens <= capacity:
             return True
         sink = self.sink_held
         old = static.window - sink - self.residual_length
-        if old > 0:
+        if old >= self.encode_stride:  # as settle does (a window below its full capacity waits)
             leaving = slice(sink, sink + old)
             encoded = (encode_tokens(self.key_encoder, self._held_keys(self._key_window[:, :, leaving]), self._key_id),
                        encode_tokens(self.value_encoder, self._value_window[:, :, leaving], self._value_id))
