@@ -74,12 +74,25 @@ def test_readme_kv_cache_example_runs(capsys):
     """The KV example as printed: SmolLM2-135M offline (converted once, then loaded from the cache folder)."""
     smollm2_or_skip()
     scope: dict = {}
-    exec(compile(block_with("python", "cache = TQCache(model.config)"), str(README), "exec"), scope)
+    exec(compile(block_with("python", "model.generate("), str(README), "exec"), scope)
     cache, inputs, out = scope["cache"], scope["inputs"], scope["out"]
     assert out.shape[1] == inputs.input_ids.shape[1] + 16 and cache.get_seq_length() == out.shape[1] - 1
     assert 1000 < inputs.input_ids.shape[1] < 1300
     assert cache.nbytes() / cache.nbytes_dense() < 0.5  # really compressed: codes beyond the window
     assert "of a bfloat16 DynamicCache" in capsys.readouterr().out
+
+
+def test_readme_decode_graph_example_runs(capsys):
+    """The DecodeGraph example as printed (eager steps off CUDA): 16 tokens, every layer made static."""
+    from tqindex.kv import TQLayer
+
+    smollm2_or_skip()
+    scope: dict = {}
+    exec(compile(block_with("python", "DecodeGraph(model, cache)"), str(README), "exec"), scope)
+    cache, ids, answer = scope["cache"], scope["ids"], scope["answer"]
+    assert len(answer) == 16 and cache.get_seq_length() == ids.shape[1] + 15
+    assert all(isinstance(layer, TQLayer) and layer.store.static for layer in cache.layers)
+    assert capsys.readouterr().out.strip()
 
 
 def test_readme_kv_policy_example_runs(tmp_path, monkeypatch, capsys):
