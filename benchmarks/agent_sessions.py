@@ -26,10 +26,12 @@ With SmolLM2 the run also measures that agreement under the streamed protocol of
 
 Caches: ``dynamic`` (``DynamicCache``, the model's dtype), ``fp8`` (:class:`tqindex.kv.FP8Cache`), TQCache
 presets ``k8v4``, ``tq4`` (k4v4), ``fp4``, ``tq3`` (k3v3), ``k3v4``, with an optional ``-r{N}-p{N}`` suffix
-(full-precision window, protected layers; default ``--residual-length`` / ``--protected-layers``) and an
-optional ``-sdpa`` suffix. The model attends through the "tqindex" attention: from the codes for TQCache,
-sdpa for dense tensors; a ``-sdpa`` cache's prefills (and extends) read its history decoded, through sdpa
-(``SessionStore(prefill_attention="sdpa")``), its one-token steps still from the codes.
+(full-precision window, protected layers; default ``--residual-length`` / ``--protected-layers``), an
+optional ``-sdpa`` suffix and an optional ``-graph`` suffix. The model attends through the "tqindex"
+attention: from the codes for TQCache, sdpa for dense tensors; a ``-sdpa`` cache's prefills (and extends)
+read its history decoded, through sdpa (``SessionStore(prefill_attention="sdpa")``), its one-token steps
+still from the codes; a ``-graph`` cache's one-token steps are replayed from CUDA graphs
+(``SessionStore(decode_graph=True)``).
 
 Models: ``smollm2`` (SmolLM2-135M-Instruct, ``tqindex.data.load_smollm2``, CPU), ``llama8b-random`` (random
 weights of the Llama-3-8B shape: 32 layers, 32 query / 8 KV heads, head_dim 128; for a GPU),
@@ -79,7 +81,7 @@ from tqindex.kv import FP8Cache, SessionStore, TQCache  # noqa: E402  (registers
 TQ_PRESETS = {"k8v4": "k8v4", "tq4": "k4v4", "fp4": "fp4", "tq3": "k3v3", "k3v4": "k3v4"}
 """Cache name -> TQCache.preset name."""
 DEFAULT_CACHES = ("dynamic", "fp8", "k8v4", "tq4", "fp4", "tq3")
-_CACHE_NAME = re.compile(r"(?P<base>[a-z0-9]+)(?:-r(?P<r>\d+))?(?:-p(?P<p>\d+))?(?P<sdpa>-sdpa)?")
+_CACHE_NAME = re.compile(r"(?P<base>[a-z0-9]+)(?:-r(?P<r>\d+))?(?:-p(?P<p>\d+))?(?P<sdpa>-sdpa)?(?P<graph>-graph)?")
 
 # Per model: (workload defaults, --quick overrides). Lengths are "lo-hi" token ranges.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -224,7 +226,7 @@ def cache_factory(name: str, config: Any, args: argparse.Namespace) -> tuple[Cal
     None for the model's). ValueError for unknown names."""
     m = _CACHE_NAME.fullmatch(name)
     base = m["base"] if m else None
-    if base in ("dynamic", "fp8") and m["r"] is None and m["p"] is None and m["sdpa"] is None:
+    if base in ("dynamic", "fp8") and m["r"] is None and m["p"] is None and m["sdpa"] is None and m["graph"] is None:
         if base == "dynamic":
             from transformers import DynamicCache
 
@@ -237,9 +239,11 @@ def cache_factory(name: str, config: Any, args: argparse.Namespace) -> tuple[Cal
         sdpa = m["sdpa"] is not None
         return ((lambda: TQCache.preset(config, preset, residual_length=r, protected_layers=p)),
                 f"TQCache {preset}, window {r}, {p}+{p} protected layers"
-                + (", prefills attend the decoded history (sdpa)" if sdpa else ""), "sdpa" if sdpa else None)
+                + (", prefills attend the decoded history (sdpa)" if sdpa else "")
+                + (", one-token steps replayed from CUDA graphs (DecodeGraph)" if m["graph"] else ""),
+                "sdpa" if sdpa else None)
     raise ValueError(f"unknown cache {name!r}: dynamic, fp8 or one of {', '.join(TQ_PRESETS)} with optional "
-                     "-r{window}, -p{protected layers} and -sdpa suffixes")
+                     "-r{window}, -p{protected layers}, -sdpa and -graph suffixes")
 
 
 def sync(device: torch.device) -> None:
@@ -249,10 +253,11 @@ def sync(device: torch.device) -> None:
 
 # ------------------------------------------------------------------------------ one cache
 
-def warm_up(model: Any, factory: Callable[[], Any], vocab: int, prefill_attention: str | None) -> None:
+def warm_up(model: Any, factory: Callable[[], Any], vocab: int, prefill_attention: str | None,
+            decode_graph: bool) -> None:
     """Two short turns through a throwaway store: first-call costs (kernel compilation, allocator) are paid
     before anything is timed."""
-    store = SessionStore(model, factory, 2**62, prefill_attention=prefill_attention)
+    store = SessionStore(model, factory, 2**62, prefill_attention=prefill_attention, decode_graph=decode_graph)
     store.open(0)
     for n in (256, 64):
         store.turn(0, [(7 * i) % vocab for i in range(n)], max_new_tokens=3)
@@ -263,14 +268,16 @@ def run_cache(name: str, model: Any, tokens: Tokens, workload: tuple, args: argp
     """Serve the whole workload with one cache. ``reference``: answers to force ('s:r' -> ids), None to
     generate them. ``on_turn(row)`` after every turn. -> the run's summary fields (rows are on_turn's)."""
     factory, _, prefill_attention = cache_factory(name, model.config, args)
+    decode_graph = name.endswith("-graph")
     device = torch.device(args.device)
-    warm_up(model, factory, tokens.vocab, prefill_attention)
+    warm_up(model, factory, tokens.vocab, prefill_attention, decode_graph)
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     store = SessionStore(model, factory, args.budget, offload=args.offload, host_budget_bytes=args.host_budget,
-                         prefill_chunk=args.prefill_chunk, prefill_attention=prefill_attention)
+                         prefill_chunk=args.prefill_chunk, prefill_attention=prefill_attention,
+                         decode_graph=decode_graph)
     system, turns, order = workload
     for s in range(args.sessions):
         store.open(s)

@@ -45,8 +45,10 @@ def test_options():
     assert description == "TQCache k4v4, window 0, 1+1 protected layers" and prefill is None
     _, description, prefill = bench.cache_factory("fp4-sdpa", None, args)
     assert description.startswith("TQCache fp4, window 128, 2+2") and prefill == "sdpa"
+    _, description, prefill = bench.cache_factory("tq4-p0-graph", None, args)
+    assert description.endswith("replayed from CUDA graphs (DecodeGraph)") and prefill is None
     for bad in (["--budget", "-3GB"], ["--user-tokens", "50-10"], ["--caches", "tq5"], ["--caches", "fp8", "fp8"],
-                ["--caches", "fp8-sdpa"],
+                ["--caches", "fp8-sdpa"], ["--caches", "dynamic-graph"],
                 ["--host-budget", "1GB"], ["--sessions", "0"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)

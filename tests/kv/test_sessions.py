@@ -171,6 +171,21 @@ def test_prefill_attention_is_set_for_prefills_only(llama):
         SessionStore(llama, tq(llama), 10**9, prefill_attention=1)
 
 
+def test_answers_through_decode_graphs(llama):
+    """decode_graph=True: the one-token steps through DecodeGraph (eager on CPU) give the same answers."""
+    straight = _session(llama, tq(llama), TURNS)
+    answers = [r.output_ids for r in straight]
+    for got in (_session(llama, tq(llama), TURNS, decode_graph=True),
+                _session(llama, tq(llama), TURNS, answers=answers, decode_graph=True)):
+        for a, b in zip(got, straight):
+            torch.testing.assert_close(a.first_logits, b.first_logits, rtol=0, atol=1e-4)
+            assert a.output_ids == b.output_ids and a.predicted_ids == b.predicted_ids
+    with pytest.raises(ValueError, match="DynamicLayer"):
+        _session(llama, dynamic(llama), TURNS, decode_graph=True)
+    with pytest.raises(TypeError, match="decode_graph"):
+        SessionStore(llama, tq(llama), 10**9, decode_graph=1)
+
+
 def test_compaction_leaves_no_unused_capacity(llama):
     for compact in (False, True):
         store = store_with(llama, tq(llama), 10**9, ["a"], compact=compact)

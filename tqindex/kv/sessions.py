@@ -168,7 +168,9 @@ class SessionStore:
     its exact size after its turn. prefill_chunk: tokens per forward pass of a prefill (None: one pass).
     prefill_attention: the model's attention implementation during prefills and extends (e.g. ``"sdpa"``,
     where a TQCache hands out its history decoded, against ``"tqindex"`` attending from the codes), the
-    model's own restored for the one-token steps; None: the model's own throughout.
+    model's own restored for the one-token steps; None: the model's own throughout. decode_graph: run each
+    answer's one-token steps through a :class:`~tqindex.kv.decode_graph.DecodeGraph` (recorded at the answer's
+    second step, replayed after; a cache it cannot replay raises its ValueError at the first answer).
     """
 
     def __init__(
@@ -182,6 +184,7 @@ class SessionStore:
         compact: bool = True,
         prefill_chunk: int | None = None,
         prefill_attention: str | None = None,
+        decode_graph: bool = False,
     ) -> None:
         if not callable(cache_factory):
             raise TypeError(
@@ -202,6 +205,7 @@ class SessionStore:
             raise TypeError(f"prefill_attention must be an attention implementation name or None, got "
                             f"{type(prefill_attention).__name__}")
         self.prefill_attention = prefill_attention
+        self.decode_graph = check_bool(decode_graph, "decode_graph")
         self.device = next(model.parameters()).device
         self.vocab_size = model.get_input_embeddings().num_embeddings
         params = inspect.signature(model.forward).parameters
@@ -428,18 +432,29 @@ class SessionStore:
                 eos: set[int]) -> tuple[list[int], list[int]]:
         """Decode after the first answer token ``first``: (answer ids, greedy predictions), each up to n long.
         Every answer token but the last is run through the model."""
+        step = self._step(cache)
         if forced is not None:
-            steps = [self._forward(cache, torch.tensor([[t]], device=self.device)).argmax() for t in forced[:-1]]
+            steps = [step(torch.tensor([[t]], device=self.device)).argmax() for t in forced[:-1]]
             return forced, [first, *(torch.stack(steps).tolist() if steps else [])]
         token = torch.tensor([[first]], device=self.device)
         tokens = [token]
         for _ in range(n - 1):
             if eos and int(token) in eos:  # reads the token on the host only when a stop token is given
                 break
-            token = self._forward(cache, token).argmax().view(1, 1)
+            token = step(token).argmax().view(1, 1)
             tokens.append(token)
         answer = torch.cat(tokens).view(-1).tolist()
         return answer, list(answer)
+
+    def _step(self, cache: Any) -> Callable[[Tensor], Tensor]:
+        """The one-token step over ``cache``: ids [1, 1] -> logits [vocab] (through a DecodeGraph with
+        ``decode_graph``)."""
+        if not self.decode_graph:
+            return lambda ids: self._forward(cache, ids)
+        from .decode_graph import DecodeGraph  # imports transformers
+
+        graph = DecodeGraph(self.model, cache)
+        return lambda ids: graph(ids)[0]
 
     # -- memory ------------------------------------------------------------------------------------
     def _new_cache(self, session_id: Hashable) -> None:
