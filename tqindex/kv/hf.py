@@ -97,7 +97,7 @@ def tq_attention_mask(*args: Any, **kwargs: Any) -> Tensor | None:
     held key visible), which ``sdpa_mask`` of some releases does not return while recording."""
     q_length = kwargs["q_length"] if "q_length" in kwargs else kwargs["cache_position"].shape[0]
     if (q_length == 1 and kwargs.get("attention_mask") is None and kwargs.get("local_size") is None
-            and kwargs.get("allow_is_causal_skip", True) and torch.cuda.is_available()
+            and kwargs.get("allow_is_causal_skip", True) and not tracing() and torch.cuda.is_available()
             and torch.cuda.is_current_stream_capturing()):
         return None
     return sdpa_mask(*args, **kwargs)
