@@ -4,6 +4,7 @@ logits of ordinary decoding over a growing cache."""
 import pytest
 import torch
 from transformers import DynamicCache, StaticCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from tiny import CACHE_KW, llama_config, prompt, seeded
 from tqindex import kernels
@@ -74,14 +75,29 @@ def test_dense_layers_become_layers_that_keep_every_token():
         assert layer.nbytes() == 2 * layer.keys.numel() * layer.keys.element_size()
 
 
-def test_caches_that_grow_by_concatenation_are_refused():
+def test_a_dynamic_cache_becomes_dense_layers():
+    """A DynamicCache's layers: TQLayers keeping every token, the logits of decoding through sdpa."""
+    model, ids = _model(), prompt(2, 9)
+    model.set_attn_implementation("sdpa")
+    want = _decode(model, DynamicCache(config=model.config), ids, 6, None)
+    model.set_attn_implementation("tqindex")
+    cache = DynamicCache(config=model.config)
+    got = _decode(model, cache, ids, 6, DecodeGraph(model, cache, headroom=2))
+    assert all(isinstance(layer, TQLayer) and layer.store.residual_length > 10**9 for layer in cache.layers)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_bad_caches_and_input_are_refused():
     model = _model()
     ids = prompt(1, 5)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         model(input_ids=ids, **{CACHE_KW: cache})
-    with pytest.raises(ValueError, match="DynamicLayer"):
+    cache.layers[1] = DynamicSlidingWindowLayer(4)
+    with pytest.raises(ValueError, match="layer 1 is a DynamicSlidingWindowLayer"):
         DecodeGraph(model, cache)(ids[:, :1])
+    assert type(cache.layers[0]) is DynamicLayer  # left as it was
     for protected in (0, 1):
         with pytest.raises(ValueError, match="prefill"):
             DecodeGraph(model, _cache(model, protected=protected))(ids[:, :1])

@@ -15,17 +15,17 @@ A graph replays the same kernels on the same memory, so every cache layer must f
   and counts the appended token; the step is recorded again when a code buffer had to grow (every
   ``headroom`` tokens) or an edit (``crop``, ``reorder_cache``, ...) returned a store to the growing mode.
   Attention reads the same tokens as without the graph.
-- TQCache's dense layers (``DynamicLayer``: protected layers): turned into TQLayers whose window keeps every
-  token (:func:`dense_layer`: the same keys and values, in place of the DynamicLayer in ``cache.layers``),
-  attended by the kernel's full-precision path; their buffer leaves ``headroom`` tokens free, and the step
-  is recorded again when it fills.
+- dense layers (``DynamicLayer``: TQCache's protected layers, a ``DynamicCache``'s): turned into TQLayers
+  whose window keeps every token (:func:`dense_layer`: the same keys and values, in place of the
+  DynamicLayer in ``cache.layers``), attended by the kernel's full-precision path instead of SDPA (the float
+  rounding differs); their buffer leaves ``headroom`` tokens free, and the step is recorded again when it
+  fills. The model must use the "tqindex" attention.
 - transformers' ``StaticLayer`` (``StaticCache``): its update writes at positions on the device.
 
-Other layers that grow by concatenation (a ``DynamicCache``'s, sliding windows) cannot be replayed:
-ValueError naming the layer. On a device other than CUDA the steps run
-eagerly, in the same static mode (how the CPU tests check it). Between steps, other forward passes over
-the cache are allowed for TQCache layers (their lengths are read from the stores), not for a StaticCache
-(its length is counted here).
+Other layers (sliding windows, linear attention) cannot be replayed: ValueError naming the layer. On a device
+other than CUDA the steps run eagerly, in the same static mode (how the CPU tests check it). Between steps,
+other forward passes over the cache are allowed where its layers are TQLayers (their lengths are read from
+the stores), not for a StaticCache (its length is counted here).
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from transformers.cache_utils import DynamicLayer, StaticLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
 
 from ..checks import check_int
 from ..encoder import Encoder, make_encoder
-from .hf import ATTN_IMPLEMENTATION, TQCache, TQLayer
+from .hf import ATTN_IMPLEMENTATION, TQLayer
 from .store import STATIC_HEADROOM, KVStore
 
 KEEP_ALL = 1 << 62
@@ -50,9 +50,10 @@ KEEP_ALL = 1 << 62
 class DecodeGraph:
     """One-token decode steps of ``model`` over ``cache``, recorded as a CUDA graph and replayed (module notes).
 
-    model: a transformers causal LM on its device; cache: a prefilled ``TQCache`` (its dense layers are turned
-    into TQLayers, module notes) or a ``StaticCache``, not used by other code between steps except as the
-    module notes allow; headroom: tokens of code (and dense window) capacity reserved at a time, >= 1.
+    model: a transformers causal LM on its device; cache: a prefilled ``TQCache`` or ``DynamicCache`` (dense
+    layers are turned into TQLayers, module notes) or a ``StaticCache``, not used by other code between steps
+    except as the module notes allow; headroom: tokens of code (and dense window) capacity reserved at a time,
+    >= 1.
     ``recordings`` counts the graphs recorded so far.
     """
 
@@ -96,24 +97,29 @@ class DecodeGraph:
 
     # -- steps -------------------------------------------------------------------------------------
     def _prepare(self) -> list[KVStore]:
-        """Check the cache's layers; make the TQLayers' stores static, with room for this step's token."""
+        """Check the cache's layers; turn DynamicLayers into dense TQLayers; make the TQLayers' stores static,
+        with room for this step's token."""
+        layers = self.cache.layers
         if getattr(self.model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION and any(
-                isinstance(layer, TQLayer) for layer in self.cache.layers):
-            raise ValueError(f"DecodeGraph over a TQCache needs the {ATTN_IMPLEMENTATION!r} attention "
-                             f"(model.set_attn_implementation({ATTN_IMPLEMENTATION!r}))")
-        stores = []
-        for i, layer in enumerate(self.cache.layers):
-            if isinstance(layer, TQLayer) and not layer.is_initialized or type(layer) is DynamicLayer and isinstance(
-                    self.cache, TQCache) and not layer.is_initialized:
+                isinstance(layer, TQLayer) or type(layer) is DynamicLayer for layer in layers):
+            raise ValueError(f"DecodeGraph over TQCache or DynamicCache layers needs the {ATTN_IMPLEMENTATION!r} "
+                             f"attention (model.set_attn_implementation({ATTN_IMPLEMENTATION!r}))")
+        for i, layer in enumerate(layers):  # all checked before any is changed
+            if isinstance(layer, StaticLayer):
+                continue
+            if not isinstance(layer, (TQLayer, DynamicLayer)) or isinstance(layer, DynamicSlidingWindowLayer):
+                raise ValueError(f"cache layer {i} is a {type(layer).__name__}, which DecodeGraph cannot replay: "
+                                 "TQCache, DynamicCache and StaticCache layers can be")
+            if not layer.is_initialized:
                 raise ValueError(f"prefill the cache before decoding with DecodeGraph (layer {i} is empty)")
-            if type(layer) is DynamicLayer and isinstance(self.cache, TQCache):
-                layer = self.cache.layers[i] = dense_layer(layer, self.cache._text_config)
-            if isinstance(layer, TQLayer):
-                layer.store.make_static(self.headroom)  # with room for this step's token
-                stores.append(layer.store)
-            elif not isinstance(layer, StaticLayer):
-                raise ValueError(f"cache layer {i} is a {type(layer).__name__}, which grows by concatenation and "
-                                 "cannot be replayed from a CUDA graph: use a TQCache or a StaticCache")
+        stores = []
+        for i, layer in enumerate(layers):
+            if isinstance(layer, StaticLayer):
+                continue
+            if not isinstance(layer, TQLayer):
+                layer = layers[i] = dense_layer(layer, self.model.config.get_text_config(decoder=True))
+            layer.store.make_static(self.headroom)  # with room for this step's token
+            stores.append(layer.store)
         if not stores and self._position is None:
             self._position = int(self.cache.get_seq_length())  # once (a device read on some releases)
         return stores
