@@ -138,3 +138,22 @@ def test_replayed_static_cache_gives_the_logits_of_a_dynamic_cache():
     got = _decode(model, cache, ids, 10, DecodeGraph(model, cache))
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_a_failed_recording_leaves_the_cache_length(monkeypatch):
+    model = _model(CUDA, torch.float16)
+    cache = _cache(model)
+    graph = DecodeGraph(model, cache)
+    logits = _decode(model, cache, prompt(2, 20).to(CUDA), 1, graph)  # the prefill and the eager first step
+    length = cache.get_seq_length()
+    forward = model.forward
+
+    def failing(*args, **kwargs):
+        forward(*args, **kwargs)
+        raise RuntimeError("recording failed")
+
+    monkeypatch.setattr(model, "forward", failing)
+    with pytest.raises(RuntimeError):
+        graph(logits[-1].argmax(-1, keepdim=True))
+    assert cache.get_seq_length() == length

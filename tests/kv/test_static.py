@@ -113,6 +113,9 @@ def test_edits_and_long_appends_return_to_the_growing_mode():
     torch.testing.assert_close(store.materialize(), growing.materialize())
     with pytest.raises(ValueError, match="empty"):
         _store().make_static()
+    for call in (store.prepare, store.advance):
+        with pytest.raises(ValueError, match="make_static first"):
+            call()
     with pytest.raises(ValueError, match="headroom"):
         store.make_static(headroom=-1)
 

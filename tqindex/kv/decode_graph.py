@@ -85,7 +85,7 @@ class DecodeGraph:
             self._position = position + 1
             return self._forward(input_ids, position, eager=True)
         if key != self._key:
-            self._record(input_ids, position, key)  # the recording runs the model code once: stores count it
+            self._record(input_ids, position, key, stores)  # runs the model code once: stores count the token
         else:
             self._inputs(input_ids, position)
             self._graph.replay()
@@ -143,14 +143,21 @@ class DecodeGraph:
                          cache_position=cache_position, use_cache=True, logits_to_keep=1, **{self._kw: self.cache})
         return out.logits[:, -1]
 
-    def _record(self, input_ids: Tensor, position: int, key: tuple) -> None:
-        """Record the step as a CUDA graph (replacing the previous one) and run it once."""
+    def _record(self, input_ids: Tensor, position: int, key: tuple, stores: list[KVStore]) -> None:
+        """Record the step as a CUDA graph (replacing the previous one) and run it once. A recording that fails
+        leaves the stores' counts as they were (its appends were recorded, not run)."""
         self._graph = self._logits = None
         self._ids, self._cache_position = input_ids.clone(), torch.full((1,), position, dtype=torch.long,
                                                                          device=input_ids.device)
+        held = [store.window_length for store in stores]
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):  # its own memory pool: the previous graph's was freed with it
-            self._logits = self._forward(input_ids, position)
+        try:
+            with torch.cuda.graph(graph):  # its own memory pool: the previous graph's was freed with it
+                self._logits = self._forward(input_ids, position)
+        except BaseException:
+            for store, n in zip(stores, held):
+                store.advance(n - store.window_length)
+            raise
         graph.replay()
         self._graph, self._key = graph, key
         self.recordings += 1

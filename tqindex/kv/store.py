@@ -617,6 +617,8 @@ class KVStore:
         buffers grow by ``headroom`` when they must). Returns whether the tokens fit (False: the buffer is too
         small; :meth:`make_dynamic` then :meth:`make_static` gives a larger one where the window may grow)."""
         static = self._static
+        if static is None:
+            raise ValueError("prepare needs a static store: call make_static first")
         capacity = self._key_window.shape[2]
         if static.window + tokens <= capacity:
             return True
@@ -645,6 +647,8 @@ class KVStore:
 
     def advance(self, tokens: int = 1) -> None:
         """Static store: count ``tokens`` appended on the device alone (a replayed CUDA graph's append)."""
+        if self._static is None:
+            raise ValueError("advance needs a static store: call make_static first")
         self._static.window += tokens
 
     def _write(self, key: Tensor, value: Tensor) -> None:
