@@ -31,8 +31,7 @@ optional ``-sdpa`` suffix and an optional ``-graph`` suffix. The model attends t
 attention: from the codes for TQCache, sdpa for dense tensors; a ``-sdpa`` cache's prefills (and extends)
 read its history decoded, through sdpa (``SessionStore(prefill_attention="sdpa")``), its one-token steps
 still from the codes; a ``-graph`` cache's one-token steps are replayed from CUDA graphs
-(``SessionStore(decode_graph=True)``; also ``dynamic-graph``: the dense layers attended by the kernel's
-full-precision path).
+(``SessionStore(decode_graph=True)``).
 
 Models: ``smollm2`` (SmolLM2-135M-Instruct, ``tqindex.data.load_smollm2``, CPU), ``llama8b-random`` (random
 weights of the Llama-3-8B shape: 32 layers, 32 query / 8 KV heads, head_dim 128; for a GPU),
@@ -227,14 +226,11 @@ def cache_factory(name: str, config: Any, args: argparse.Namespace) -> tuple[Cal
     None for the model's). ValueError for unknown names."""
     m = _CACHE_NAME.fullmatch(name)
     base = m["base"] if m else None
-    if base in ("dynamic", "fp8") and m["r"] is None and m["p"] is None and m["sdpa"] is None and (
-            m["graph"] is None or base == "dynamic"):
+    if base in ("dynamic", "fp8") and m["r"] is None and m["p"] is None and m["sdpa"] is None and m["graph"] is None:
         if base == "dynamic":
             from transformers import DynamicCache
 
-            graph = ", one-token steps replayed from CUDA graphs (DecodeGraph: the kernel's full-precision path)"
-            return (lambda: DynamicCache(config=config)), f"DynamicCache ({args.dtype})" + (graph if m["graph"] else
-                                                                                           ""), None
+            return (lambda: DynamicCache(config=config)), f"DynamicCache ({args.dtype})", None
         return (lambda: FP8Cache(config)), "FP8Cache: E4M3 codes, one float32 scale per token and head", None
     if base in TQ_PRESETS:
         r = args.residual_length if m["r"] is None else int(m["r"])

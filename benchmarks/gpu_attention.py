@@ -24,9 +24,8 @@ Every number comes from one run on one GPU:
 
 TQCache presets: window 128, the first and last 2 layers dense; ``-p0`` (e.g. ``tq4-p0``): no dense
 layers. ``static``: transformers' StaticCache (bf16, sized for the row's tokens). A ``+graph`` suffix
-(``tq4+graph``, ``dynamic+graph``, ``static+graph``) runs the decode steps through ``tqindex.kv.DecodeGraph``:
-each step replayed from a CUDA graph (dense DynamicCache layers then read by the kernel's full-precision
-path, through the "tqindex" attention).
+(``tq4+graph``, ``tq4-p0+graph``, ``static+graph``) runs the decode steps through ``tqindex.kv.DecodeGraph``:
+each step replayed from a CUDA graph (TQCache's dense layers then read by the kernel's full-precision path).
 
 Results: ``gpu_attention.json`` (rewritten after every measurement) and ``gpu_attention.md`` in ``--out``.
 
@@ -159,9 +158,9 @@ def make_cache(kind: str, model: Any, tokens: int) -> Any:
     ``tokens`` tokens per row."""
     from transformers import DynamicCache, StaticCache
 
-    graph, kind = kind.endswith("+graph"), kind.removesuffix("+graph")
+    kind = kind.removesuffix("+graph")
     if kind in ("dynamic", "static"):
-        model.set_attn_implementation("tqindex" if graph and kind == "dynamic" else "sdpa")
+        model.set_attn_implementation("sdpa")
         if kind == "static":
             return StaticCache(config=model.config, max_cache_len=tokens)
         return DynamicCache(config=model.config)
@@ -366,9 +365,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--restart", action="store_true", help="measure afresh instead of continuing --out's run")
     args = p.parse_args(argv)
     unknown = {c for c in args.caches.split(",") if not re.fullmatch(
-        f"(dynamic(\\+graph)?|static\\+graph|({'|'.join(PRESETS)})(-p[0-9]+)?(\\+graph)?)", c)}
+        f"(dynamic|static\\+graph|({'|'.join(PRESETS)})(-p[0-9]+)?(\\+graph)?)", c)}
     if unknown:
-        p.error(f"unknown caches {', '.join(sorted(unknown))} (dynamic, dynamic+graph, static+graph, or a preset "
+        p.error(f"unknown caches {', '.join(sorted(unknown))} (dynamic, static+graph, or a preset "
                 f"{', '.join(PRESETS)} with an optional -pN: N dense layers at each end, and +graph)")
     if not torch.cuda.is_available():
         raise SystemExit("gpu_attention.py needs a CUDA GPU")

@@ -48,7 +48,7 @@ def test_options():
     _, description, prefill = bench.cache_factory("tq4-p0-graph", None, args)
     assert description.endswith("replayed from CUDA graphs (DecodeGraph)") and prefill is None
     for bad in (["--budget", "-3GB"], ["--user-tokens", "50-10"], ["--caches", "tq5"], ["--caches", "fp8", "fp8"],
-                ["--caches", "fp8-sdpa"], ["--caches", "fp8-graph"],
+                ["--caches", "fp8-sdpa"], ["--caches", "dynamic-graph"],
                 ["--host-budget", "1GB"], ["--sessions", "0"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)

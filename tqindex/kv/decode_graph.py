@@ -15,14 +15,14 @@ A graph replays the same kernels on the same memory, so every cache layer must f
   and counts the appended token; the step is recorded again when a code buffer had to grow (every
   ``headroom`` tokens) or an edit (``crop``, ``reorder_cache``, ...) returned a store to the growing mode.
   Attention reads the same tokens as without the graph.
-- dense layers (``DynamicLayer``: TQCache's protected layers, a ``DynamicCache``'s): turned into TQLayers
-  whose window keeps every token (:func:`dense_layer`: the same keys and values, in place of the
-  DynamicLayer in ``cache.layers``), attended by the kernel's full-precision path instead of SDPA (the float
-  rounding differs); their buffer leaves ``headroom`` tokens free, and the step is recorded again when it
-  fills. The model must use the "tqindex" attention.
+- TQCache's dense layers (``DynamicLayer``: protected layers): turned into TQLayers whose window keeps every
+  token (:func:`dense_layer`: the same keys and values, in place of the DynamicLayer in ``cache.layers``),
+  attended by the kernel's full-precision path instead of SDPA (the float rounding differs); their buffer
+  leaves ``headroom`` tokens free, and the step is recorded again when it fills.
 - transformers' ``StaticLayer`` (``StaticCache``): its update writes at positions on the device.
 
-Other layers (sliding windows, linear attention) cannot be replayed: ValueError naming the layer. On a device
+Other layers (a ``DynamicCache``'s, which transformers' own code expects to stay DynamicLayers, sliding
+windows, linear attention) cannot be replayed: ValueError naming the layer. On a device
 other than CUDA the steps run eagerly, in the same static mode (how the CPU tests check it). Between steps,
 other forward passes over the cache are allowed where its layers are TQLayers (their lengths are read from
 the stores), not for a StaticCache (its length is counted here).
@@ -36,11 +36,11 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
+from transformers.cache_utils import DynamicLayer, StaticLayer
 
 from ..checks import check_int
 from ..encoder import Encoder, make_encoder
-from .hf import ATTN_IMPLEMENTATION, TQLayer
+from .hf import ATTN_IMPLEMENTATION, TQCache, TQLayer
 from .store import STATIC_HEADROOM, KVStore
 
 KEEP_ALL = 1 << 62
@@ -50,10 +50,9 @@ KEEP_ALL = 1 << 62
 class DecodeGraph:
     """One-token decode steps of ``model`` over ``cache``, recorded as a CUDA graph and replayed (module notes).
 
-    model: a transformers causal LM on its device; cache: a prefilled ``TQCache`` or ``DynamicCache`` (dense
-    layers are turned into TQLayers, module notes) or a ``StaticCache``, not used by other code between steps
-    except as the module notes allow; headroom: tokens of code (and dense window) capacity reserved at a time,
-    >= 1.
+    model: a transformers causal LM on its device; cache: a prefilled ``TQCache`` (its dense layers are turned
+    into TQLayers, module notes) or a ``StaticCache``, not used by other code between steps except as the
+    module notes allow; headroom: tokens of code (and dense window) capacity reserved at a time, >= 1.
     ``recordings`` counts the graphs recorded so far.
     """
 
@@ -99,17 +98,16 @@ class DecodeGraph:
     def _prepare(self) -> list[KVStore]:
         """Check the cache's layers; turn DynamicLayers into dense TQLayers; make the TQLayers' stores static,
         with room for this step's token."""
-        layers = self.cache.layers
-        if getattr(self.model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION and any(
-                isinstance(layer, TQLayer) or type(layer) is DynamicLayer for layer in layers):
-            raise ValueError(f"DecodeGraph over TQCache or DynamicCache layers needs the {ATTN_IMPLEMENTATION!r} "
-                             f"attention (model.set_attn_implementation({ATTN_IMPLEMENTATION!r}))")
+        layers, tq_cache = self.cache.layers, isinstance(self.cache, TQCache)
+        if tq_cache and getattr(self.model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+            raise ValueError(f"DecodeGraph over a TQCache needs the {ATTN_IMPLEMENTATION!r} attention "
+                             f"(model.set_attn_implementation({ATTN_IMPLEMENTATION!r}))")
         for i, layer in enumerate(layers):  # all checked before any is changed
             if isinstance(layer, StaticLayer):
                 continue
-            if not isinstance(layer, (TQLayer, DynamicLayer)) or isinstance(layer, DynamicSlidingWindowLayer):
+            if not (isinstance(layer, TQLayer) or tq_cache and type(layer) is DynamicLayer):
                 raise ValueError(f"cache layer {i} is a {type(layer).__name__}, which DecodeGraph cannot replay: "
-                                 "TQCache, DynamicCache and StaticCache layers can be")
+                                 "the layers of a TQCache (its dense ones too) and of a StaticCache can be")
             if not layer.is_initialized:
                 raise ValueError(f"prefill the cache before decoding with DecodeGraph (layer {i} is empty)")
         stores = []
@@ -117,7 +115,7 @@ class DecodeGraph:
             if isinstance(layer, StaticLayer):
                 continue
             if not isinstance(layer, TQLayer):
-                layer = layers[i] = dense_layer(layer, self.model.config.get_text_config(decoder=True))
+                layer = layers[i] = dense_layer(layer, self.cache._text_config)
             layer.store.make_static(self.headroom)  # with room for this step's token
             stores.append(layer.store)
         if not stores and self._position is None:
