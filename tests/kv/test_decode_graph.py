@@ -75,6 +75,35 @@ def test_dense_layers_become_layers_that_keep_every_token():
         assert layer.nbytes() == 2 * layer.keys.numel() * layer.keys.element_size()
 
 
+def test_edits_between_steps_are_followed():
+    """reorder_cache and crop between DecodeGraph steps (beam search, speculative decoding) return the stores to
+    the growing mode; the next step makes them static again. After a reorder the logits are those of
+    growing-cache decoding; after a crop the static stores may hold in full precision up to encode_stride
+    tokens that the growing ones had encoded (a static store encodes before the step that needs the room,
+    a growing one after each step): near, not equal."""
+    model, ids = _model(), prompt(2, 9)
+    caches = [_cache(model, protected=1), _cache(model, protected=1)]
+    graph = DecodeGraph(model, caches[1], headroom=2)
+    logits = []
+    with torch.no_grad():
+        for cache in caches:
+            logits.append(model(input_ids=ids, **{CACHE_KW: cache}, logits_to_keep=1).logits[:, -1])
+        for step in range(9):
+            token = logits[0].argmax(-1, keepdim=True)
+            if step == 3:
+                for cache in caches:
+                    cache.reorder_cache(torch.tensor([1, 0]))
+            if step == 6:
+                for cache in caches:
+                    cache.crop(-2)
+            logits = [model(input_ids=token, **{CACHE_KW: caches[0]}).logits[:, -1], graph(token)]
+            assert caches[1].get_seq_length() == caches[0].get_seq_length()
+            if step < 6:
+                torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
+            else:
+                assert float((logits[1] - logits[0]).norm() / logits[0].norm()) < 0.05
+
+
 def test_bad_caches_and_input_are_refused():
     model = _model()
     ids = prompt(1, 5)
