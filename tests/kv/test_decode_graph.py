@@ -119,6 +119,11 @@ def test_bad_caches_and_input_are_refused():
     with pytest.raises(ValueError, match="layer 1 is a DynamicSlidingWindowLayer"):
         DecodeGraph(model, cache)(ids[:, :1])
     assert type(cache.layers[0]) is DynamicLayer  # left as it was
+    offloaded = TQCache(model.config, protected_layers=0, offloading=True)
+    with torch.no_grad():
+        model(input_ids=ids, **{CACHE_KW: offloaded})
+    with pytest.raises(ValueError, match="offloading"):
+        DecodeGraph(model, offloaded)(ids[:, :1])
     for protected in (0, 1):
         with pytest.raises(ValueError, match="prefill"):
             DecodeGraph(model, _cache(model, protected=protected))(ids[:, :1])

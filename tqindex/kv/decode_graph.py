@@ -99,6 +99,9 @@ class DecodeGraph:
     def _prepare(self) -> list[KVStore]:
         """Check the cache's layers; turn DynamicLayers into dense TQLayers; make the TQLayers' stores static,
         with room for this step's token."""
+        if getattr(self.cache, "offloading", False):
+            raise ValueError("DecodeGraph needs a cache without offloading (its layers move between devices at "
+                             "every step, which a recorded graph cannot follow)")
         layers, tq_cache = self.cache.layers, isinstance(self.cache, TQCache)
         if tq_cache and getattr(self.model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
             raise ValueError(f"DecodeGraph over a TQCache needs the {ATTN_IMPLEMENTATION!r} attention "
