@@ -95,7 +95,8 @@ def tq_attention_mask(*args: Any, **kwargs: Any) -> Tensor | None:
     """The mask of the "tqindex" attention: transformers' ``sdpa_mask``, except for one query token per
     sequence without padding or a local window while a CUDA graph is recorded (``DecodeGraph``): None (every
     held key visible), which ``sdpa_mask`` of some releases does not return while recording."""
-    q_length = kwargs["q_length"] if "q_length" in kwargs else kwargs["cache_position"].shape[0]
+    position = kwargs.get("cache_position")  # releases before q_length passed the query positions
+    q_length = kwargs.get("q_length", None if position is None else position.shape[0])
     if (q_length == 1 and kwargs.get("attention_mask") is None and kwargs.get("local_size") is None
             and kwargs.get("allow_is_causal_skip", True) and not tracing() and torch.cuda.is_available()
             and torch.cuda.is_current_stream_capturing()):
