@@ -24,6 +24,16 @@ def _tokens(t: int, seed: int, b: int = 2, dim: int = D) -> tuple[torch.Tensor, 
     return torch.randn(b, 2, t, dim, generator=g), torch.randn(b, 2, t, dim, generator=g)
 
 
+def _static_and_growing(prefill: int, headroom: int = 1024) -> tuple[KVStore, KVStore]:
+    """Two stores holding the same ``prefill`` tokens, settled; the first made static."""
+    static, growing = _store(), _store()
+    for store in (static, growing):
+        store.append(*_tokens(prefill, seed=0))
+        store.settle()
+    static.make_static(headroom=headroom)
+    return static, growing
+
+
 def _same_tokens(static, growing) -> None:
     """CompressedTokens ``static`` (with lengths) hold exactly ``growing``'s tokens."""
     valid = static.valid()
@@ -37,11 +47,7 @@ def _same_tokens(static, growing) -> None:
 def test_static_store_holds_what_a_growing_one_holds_at_every_step(prefill):
     """One token per step after a prefill: the same codes and window tokens at every step (the growing store
     settles after each step's view, the static one before the step that would overflow its window)."""
-    growing, static = _store(), _store()
-    for store in (growing, static):
-        store.append(*_tokens(prefill, seed=0))
-        store.settle()
-    static.make_static(headroom=4)
+    static, growing = _static_and_growing(prefill, headroom=4)
     assert static.static and static.seq_length == growing.seq_length
     q = torch.randn(2, 4, 1, D, generator=torch.Generator().manual_seed(1))
     for step in range(30):
@@ -89,11 +95,7 @@ def test_static_views_keep_their_tensors_until_the_codes_grow():
 
 
 def test_edits_and_long_appends_return_to_the_growing_mode():
-    store, growing = _store(), _store()
-    for s in (store, growing):
-        s.append(*_tokens(20, seed=0))
-        s.settle()
-    store.make_static()
+    store, growing = _static_and_growing(20)
     store.make_static()  # idempotent
     chunk = _tokens(12, seed=1)  # more than the window's room
     store.append(*chunk)
@@ -121,11 +123,7 @@ def test_edits_and_long_appends_return_to_the_growing_mode():
 
 
 def test_attention_with_a_mask_reads_the_valid_tokens():
-    store, growing = _store(), _store()
-    for s in (store, growing):
-        s.append(*_tokens(30, seed=0))
-        s.settle()
-    store.make_static()
+    store, growing = _static_and_growing(30)
     k, v = _tokens(1, seed=1)
     store.append(k, v)
     growing.append(k, v)

@@ -124,8 +124,7 @@ def compressed_attention_ref(
 ) -> Tensor:
     """Reference for :func:`compressed_attention`: decode all K/V, then :func:`dense_attention`."""
     _check(q, keys, values)
-    keys, values = keys.valid(), values.valid()
-    k, v = keys.materialize(torch.float32), values.materialize(torch.float32)
+    k, v = keys.materialize(torch.float32), values.materialize(torch.float32)  # (valid tokens only)
     return dense_attention(_scaled_queries(q, keys), k, v, mask, scaling, softcap=softcap, causal=causal).to(q.dtype)
 
 

@@ -83,7 +83,8 @@ class DecodeGraph:
         if device.type != "cuda" or self._steps == 0:  # the first step runs eagerly: kernels compile, libraries load
             self._steps += 1
             self._position = position + 1
-            return self._forward(input_ids, position, eager=True)
+            self._new_inputs(input_ids, position)
+            return self._forward()
         if key != self._key:
             self._record(input_ids, position, key, stores)  # runs the model code once: stores count the token
         else:
@@ -135,11 +136,13 @@ class DecodeGraph:
         self._ids.copy_(input_ids)
         self._cache_position.fill_(position)
 
-    def _forward(self, input_ids: Tensor, position: int, eager: bool = False) -> Tensor:
-        """The model's step over the static inputs -> logits [B, vocab] (eager: on fresh inputs)."""
-        if eager:
-            self._ids = input_ids.clone()
-            self._cache_position = torch.full((1,), position, dtype=torch.long, device=input_ids.device)
+    def _new_inputs(self, input_ids: Tensor, position: int) -> None:
+        """Fresh input tensors of the step (a recording keeps their addresses)."""
+        self._ids = input_ids.clone()
+        self._cache_position = torch.full((1,), position, dtype=torch.long, device=input_ids.device)
+
+    def _forward(self) -> Tensor:
+        """The model's step over the input tensors -> logits [B, vocab]."""
         ids, cache_position = self._ids, self._cache_position
         out = self.model(input_ids=ids, position_ids=cache_position.view(1, 1).expand(ids.shape[0], 1),
                          cache_position=cache_position, use_cache=True, logits_to_keep=1, **{self._kw: self.cache})
@@ -149,13 +152,12 @@ class DecodeGraph:
         """Record the step as a CUDA graph (replacing the previous one) and run it once. A recording that fails
         leaves the stores' counts as they were (its appends were recorded, not run)."""
         self._graph = self._logits = None
-        self._ids, self._cache_position = input_ids.clone(), torch.full((1,), position, dtype=torch.long,
-                                                                         device=input_ids.device)
+        self._new_inputs(input_ids, position)
         held = [store.window_length for store in stores]
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):  # its own memory pool: the previous graph's was freed with it
-                self._logits = self._forward(input_ids, position)
+                self._logits = self._forward()
         except BaseException:
             for store, n in zip(stores, held):
                 store.advance(n - store.window_length)
