@@ -255,12 +255,13 @@ def sync(device: torch.device) -> None:
 
 def warm_up(model: Any, factory: Callable[[], Any], vocab: int, prefill_attention: str | None,
             decode_graph: bool) -> None:
-    """Two short turns through a throwaway store: first-call costs (kernel compilation, allocator) are paid
-    before anything is timed."""
+    """Short turns through a throwaway store: first-call costs (kernel compilation, allocator) are paid
+    before anything is timed. Turn and context lengths of every residue class Triton specializes integer
+    arguments on (1, multiples of 16, others), so the timed turns meet no new kernel variant."""
     store = SessionStore(model, factory, 2**62, prefill_attention=prefill_attention, decode_graph=decode_graph)
     store.open(0)
-    for n in (256, 64):
-        store.turn(0, [(7 * i) % vocab for i in range(n)], max_new_tokens=3)
+    for n in (256, 64, 37, 129, 1):
+        store.turn(0, [(7 * i) % vocab for i in range(n)], max_new_tokens=17)
 
 
 def run_cache(name: str, model: Any, tokens: Tokens, workload: tuple, args: argparse.Namespace,
