@@ -430,8 +430,10 @@ def markdown(data: dict[str, Any]) -> str:
     ]
     for name, r in runs.items():
         s, al, lt = r["summary"], r["summary"]["all"], r["summary"]["late"]
+        turns = a["sessions"] * a["rounds"]
+        label = name if r.get("complete") else f"{name} (unfinished: {len(r['rows'])} of {turns} turns)"
         lines.append(
-            f"| {name} | {_fmt(s['bytes_per_token'], ',.0f')} | {_fmt(al['hit_rate'], '.2f')} "
+            f"| {label} | {_fmt(s['bytes_per_token'], ',.0f')} | {_fmt(al['hit_rate'], '.2f')} "
             f"| {al['reprefill_tokens']:,} | {_fmt(al['ttft_p50_s'], '.3f')} | {_fmt(al['ttft_p90_s'], '.3f')} "
             f"| {_fmt(lt['ttft_p50_s'], '.3f')} | {_fmt(lt['ttft_p90_s'], '.3f')} "
             f"| {_fmt(al['decode_tokens_per_s'], '.1f')} | {_fmt(s['peak_resident_bytes'], ',.1f', 1e-6)} "
