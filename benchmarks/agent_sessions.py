@@ -428,9 +428,9 @@ def markdown(data: dict[str, Any]) -> str:
         "| decode tok/s | peak KV MB | peak device GB | agreement |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    turns = a["sessions"] * a["rounds"]
     for name, r in runs.items():
         s, al, lt = r["summary"], r["summary"]["all"], r["summary"]["late"]
-        turns = a["sessions"] * a["rounds"]
         label = name if r.get("complete") else f"{name} (unfinished: {len(r['rows'])} of {turns} turns)"
         lines.append(
             f"| {label} | {_fmt(s['bytes_per_token'], ',.0f')} | {_fmt(al['hit_rate'], '.2f')} "
