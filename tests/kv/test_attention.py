@@ -2,18 +2,21 @@ import pytest
 import torch
 
 import tqindex as tq
-from tqindex.kv.attention import compressed_attention, compressed_attention_ref, dense_attention
+from tqindex.kv.attention import (causal_sdpa, compressed_attention, compressed_attention_ref, decoded_attention,
+                                  dense_attention)
 from tqindex.kv.store import KVStore
 
 torch.set_num_threads(1)
 
 
-def _kv(b: int, hkv: int, chunks: list[int], dim: int, keys: str, values: str, residual: int, seed: int = 0):
+def _kv(b: int, hkv: int, chunks: list[int], dim: int, keys: str, values: str, residual: int, seed: int = 0,
+        sink: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
     """CompressedTokens (keys, values) of a store filled with random chunks."""
     g = torch.Generator().manual_seed(seed)
-    store = KVStore(tq.make_encoder(keys, dim), tq.make_encoder(values, dim), residual)
+    store = KVStore(tq.make_encoder(keys, dim), tq.make_encoder(values, dim), residual, sink_length=sink)
     for t in chunks:
-        store.append(torch.randn(b, hkv, t, dim, generator=g), torch.randn(b, hkv, t, dim, generator=g))
+        store.append(torch.randn(b, hkv, t, dim, generator=g).to(device, dtype),
+                     torch.randn(b, hkv, t, dim, generator=g).to(device, dtype))
     return store.view()
 
 
@@ -52,6 +55,38 @@ def test_none_mask_is_bottom_right_causal():
     out = compressed_attention(q, k, v, None, 0.5, block_tokens=3)
     torch.testing.assert_close(out, compressed_attention(q, k, v, causal, 0.5, block_tokens=3))
     torch.testing.assert_close(out, compressed_attention_ref(q, k, v, causal, 0.5), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("past", [1, 127, 129, 3017])
+@pytest.mark.parametrize("hq,hkv", [(1, 1), (6, 2), (4, 1), (8, 1)])
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_decoded_attention_matches_decode_then_attend(past, hq, hkv, device):
+    """The prefill path (codes decoded block by block, SDPA per block, log-sum-exp merge; flash attention on
+    CUDA) against decoding everything: ragged pasts, GQA groups 1, 3, 4, 8, sinks, blocks that split the codes."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    nq = 70
+    k, v = _kv(2, hkv, [past, nq], 64, "tq4", "tq3", residual=5, sink=2, dtype=dtype, device=device)
+    q = _query(2, hq, nq, 64).to(device, dtype)
+    out = decoded_attention(q, k, v, 0.3, block_tokens=1000)
+    ref = compressed_attention_ref(q, k, v, None, 0.3)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    assert out.dtype == dtype and out.shape == ref.shape
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+    if device == "cuda":  # what compressed_attention picks for a prefill in half precision on CUDA
+        torch.testing.assert_close(compressed_attention(q, k, v, None, 0.3).float(), ref.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("nq,total", [(3, 10), (5, 5), (7, 300)])
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_causal_sdpa_aligns_queries_to_the_last_key(nq, total, device):
+    g = torch.Generator().manual_seed(5)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    q = torch.randn(1, 8, nq, 64, generator=g).to(device, dtype)
+    k, v = (torch.randn(1, 2, total, 64, generator=g).to(device, dtype) for _ in range(2))
+    causal = torch.ones(nq, total, dtype=torch.bool, device=device).tril(total - nq)[None, None]
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(causal_sdpa(q, k, v, 0.2).float(), dense_attention(q, k, v, causal, 0.2).float(),
+                               rtol=tol, atol=tol)
 
 
 def test_fully_masked_rows_give_zero_and_dtype_is_kept():

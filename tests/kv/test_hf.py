@@ -260,3 +260,30 @@ def test_presets_and_validation(llama):
         TQCache([(torch.zeros(1, 2, 3, 32),)])  # keys without values
     with pytest.raises(TypeError, match="config"):
         TQCache([], ddp_cache_data=[])  # ddp data twice
+
+
+def test_chunks_over_a_cache_attend_without_a_mask_and_match_sdpa(llama):
+    """A chunk of several tokens over a cache gets no mask from the "tqindex" mask function (the causal bias
+    aligned to the last key instead, so that flash attention can run), with the same logits as sdpa's mask."""
+    import inspect
+
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    from tqindex.kv.hf import tq_attention_mask
+
+    if "q_offset" in inspect.signature(sdpa_mask).parameters:  # releases that pass q_offset
+        kw = dict(batch_size=1, q_length=5, kv_length=17, kv_offset=0, mask_function=causal_mask_function)
+        assert tq_attention_mask(q_offset=12, **kw) is None
+        assert tq_attention_mask(q_offset=10, **kw) is not None  # keys beyond the queries (a static cache)
+        padding = torch.ones(1, 17, dtype=torch.bool)
+        padding[0, 3] = False
+        assert tq_attention_mask(q_offset=12, attention_mask=padding, **kw) is not None
+        assert tq_attention_mask(q_offset=12, attention_mask=torch.ones(1, 17, dtype=torch.bool), **kw) is None
+    ids = prompt(length=20)
+    logits = {}
+    for impl in (ATTN_IMPLEMENTATION, "sdpa"):
+        llama.set_attn_implementation(impl)
+        cache = DynamicCache(config=llama.config)
+        forward(llama, ids[:, :12], cache)
+        logits[impl] = forward(llama, ids[:, 12:], cache).logits
+    torch.testing.assert_close(logits[ATTN_IMPLEMENTATION], logits["sdpa"], rtol=1e-5, atol=1e-5)

@@ -6,7 +6,9 @@ signature); its PyTorch body walks the compressed tokens block by block with an 
 (``<R q, R k̂> = <q, k̂>``: queries are rotated once), accumulates values in the value encoder's rotated
 domain and rotates the output back once, then adds the full-precision window. Query heads sharing a
 KV head (GQA) are grouped, never repeated. :func:`compressed_attention_ref` (decode everything, then
-:func:`dense_attention`) is the reference it is tested against.
+:func:`dense_attention`) is the reference it is tested against. Prefills (many query tokens in half precision
+on CUDA, causal, no mask) take :func:`decoded_attention` instead: flash attention over blocks of codes decoded
+in the rotated domain, merged by log-sum-exp.
 
 Masks follow transformers' sdpa convention: bool ``[B|1, 1|Hq, Q, T]`` with True = attend, or an additive
 float mask of that shape, or None = causal (when ``causal`` and Q > 1; queries are the last Q of the T
@@ -21,7 +23,9 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention.bias import causal_lower_right
 
 from .. import kernels
 from ..kernels.planes import attention_reads
@@ -29,6 +33,12 @@ from .store import CompressedTokens
 
 BLOCK_TOKENS = 1024
 """Compressed or window tokens scored per block: bounds the temporary memory of one attention call."""
+PREFILL_QUERIES = 64
+"""Query tokens per sequence from which a CUDA call in half precision decodes the codes block by block for
+SDPA (:func:`decoded_attention`) instead of reading them in the attention kernel."""
+DECODED_BLOCK = 8192
+"""Compressed tokens :func:`decoded_attention` decodes at a time: its transient full-precision copy."""
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def compressed_attention(
@@ -57,13 +67,17 @@ def compressed_attention(
     _check(q, keys, values)
     if not isinstance(block_tokens, int) or block_tokens < 1:
         raise ValueError(f"block_tokens must be an integer >= 1, got {block_tokens!r}")
-    fused = _fused(q, keys, values, mask, backend)
+    prefill = (mask is None and causal and softcap is None and keys.lengths is None and q.is_cuda
+               and q.dtype in _HALF and q.shape[2] >= PREFILL_QUERIES)
+    fused = _fused(q, keys, values, mask, backend, prefill)
     if keys.lengths is not None and (mask is not None or fused != "triton"):
         keys, values = keys.valid(), values.valid()
     b, hq, nq, _ = q.shape
     hkv, total, tc = keys.shape[1], keys.shape[2], keys.codes.shape[2]
     dtype, q = q.dtype, _scaled_queries(q, keys)
     mask = _stored_order(mask, keys, nq, causal)
+    if prefill and fused == "torch":
+        return decoded_attention(q.to(dtype), keys, values, scaling)
     if fused == "triton":
         from ..kernels.attention_triton import compressed_attention_triton  # imports triton
 
@@ -104,12 +118,86 @@ def _stored_order(mask: Tensor | None, keys: CompressedTokens, nq: int, causal: 
 
 
 def _fused(q: Tensor, keys: CompressedTokens, values: CompressedTokens, mask: Tensor | None,
-           backend: str | None) -> str:
+           backend: str | None, prefill: bool = False) -> str:
     """The backend of one attention call: "triton" where the GPU kernel reads both encoders' codes and the
-    mask (see ``kernels.select``), else "torch"."""
+    mask (see ``kernels.select``), else "torch"; "auto" takes "torch" for a ``prefill`` (many queries in
+    half precision on CUDA: :func:`decoded_attention` is faster there)."""
+    backend = keys.encoder.backend if backend is None else backend
     readable = attention_reads(keys.encoder, values.encoder, mask)
-    return kernels.select(q, keys.encoder.backend if backend is None else backend, ("triton",) if readable else (),
-                          "attention from these codes and this mask")
+    if prefill and kernels.requested(backend) == "auto":
+        readable = False
+    return kernels.select(q, backend, ("triton",) if readable else (), "attention from these codes and this mask")
+
+
+def decoded_attention(q: Tensor, keys: CompressedTokens, values: CompressedTokens, scaling: float,
+                      block_tokens: int = DECODED_BLOCK, backend: str | None = None) -> Tensor:
+    """Causal attention of queries that are the newest tokens of the window (no mask, no soft cap) over
+    compressed K/V by SDPA (flash attention on CUDA): ``block_tokens`` codes at a time decoded in the encoders'
+    rotated domains to q's dtype and attended by the rotated queries (``<R q, R k̂> = <q, k̂>``), their values'
+    sum rotated back once, then the window with the causal bias aligned to its last token; the parts merged
+    by their log-sum-exp. q [B, Hq, Q, Dk] already multiplied by the keys' ``query_scale`` -> [B, Hq, Q, Dv]
+    in q's dtype. ``backend``: of the decoding ("triton": ``kernels/decode_triton.py``, see
+    ``kernels.select``). Transient memory: one block's decoded keys and values."""
+    readable = attention_reads(keys.encoder, values.encoder, None)
+    chosen = kernels.select(q, keys.encoder.backend if backend is None else backend, ("triton",) if readable else (),
+                            "decoding these codes")
+    window = _sdpa_lse(q, keys.window.to(q.dtype), values.window.to(q.dtype), scaling, causal=True)
+    tc = keys.codes.shape[2]
+    if not tc:
+        return window[0]
+    qr = keys.encoder.rotate(q.float()).to(q.dtype)
+    parts = []
+    for t0 in range(0, tc, block_tokens):
+        k, v = (_decoded(side, t0, min(t0 + block_tokens, tc), q.dtype, chosen) for side in (keys, values))
+        parts.append(_sdpa_lse(qr, k, v, scaling, causal=False))
+    codes = _merged(parts)
+    return _merged([(values.encoder.rotate_back(codes[0]), codes[1]), window])[0].to(q.dtype)
+
+
+def _decoded(tokens: CompressedTokens, t0: int, t1: int, dtype: torch.dtype, backend: str) -> Tensor:
+    """Codes t0..t1 of ``tokens`` decoded in the rotated domain: [B, H, t1 - t0, dim] in ``dtype``."""
+    codes = tokens.codes[:, :, t0:t1]
+    if backend == "triton":
+        from ..kernels.decode_triton import decode_rotated_triton  # imports triton
+
+        return decode_rotated_triton(tokens.encoder, codes, dtype)
+    return tokens.encoder.decode_rotated(codes).to(dtype)
+
+
+def _merged(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    """Softmax parts (output [..., Q, D], log-sum-exp [..., Q]) over disjoint keys -> the whole's, float32."""
+    if len(parts) == 1:
+        return parts[0][0].float(), parts[0][1]
+    lse = torch.stack([part[1] for part in parts])  # [parts, ..., Q]
+    weights = torch.softmax(lse, dim=0)
+    return sum(w[..., None] * out.float() for w, (out, _) in zip(weights, parts)), torch.logsumexp(lse, dim=0)
+
+
+def _sdpa_lse(q: Tensor, k: Tensor, v: Tensor, scaling: float, causal: bool) -> tuple[Tensor, Tensor]:
+    """Attention of q [B, Hq, Q, D] over k, v [B, Hkv, T, D] (``causal``: query i sees keys up to T - Q + i)
+    -> (output [B, Hq, Q, D] in q's dtype, log-sum-exp of the scaled scores [B, Hq, Q] float32). Flash
+    attention for CUDA half-precision tensors (GQA heads read in place), float32 math otherwise."""
+    if q.is_cuda and q.dtype in _HALF and q.shape[-1] == v.shape[-1] and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scaling)[:2]
+        return out, lse
+    groups = q.shape[1] // k.shape[1]
+    s = q.float() @ k.float().repeat_interleave(groups, dim=1).mT * scaling  # [B, Hq, Q, T]
+    bias = _block_bias(None, causal, q.shape[2], k.shape[2], 0, k.shape[2], q.device)
+    s = s if bias is None else s + bias
+    lse = torch.logsumexp(s, dim=-1)
+    out = torch.exp(s - lse[..., None]) @ v.float().repeat_interleave(groups, dim=1)
+    return out.to(q.dtype), lse
+
+
+def causal_sdpa(q: Tensor, k: Tensor, v: Tensor, scaling: float) -> Tensor:
+    """Causal attention of queries q [B, Hq, Q, D] that are the newest Q of the T keys k, v [B, Hkv, T, D]
+    (query i sees keys up to T - Q + i): torch's SDPA with its lower-right causal bias, which runs flash
+    attention on CUDA in half precision (GQA heads read in place). -> [B, Hq, Q, Dv] in q's dtype."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1 and q.is_cuda and q.dtype not in _HALF:  # the memory-efficient kernel reads no GQA heads
+        k, v, groups = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), 1
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]),
+                                          scale=scaling, enable_gqa=groups > 1)
 
 
 def compressed_attention_ref(

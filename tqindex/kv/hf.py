@@ -39,14 +39,14 @@ from torch.utils import _pytree as pytree
 from transformers import AttentionInterface, PreTrainedConfig
 from transformers.cache_utils import CacheLayerMixin, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 from transformers.utils import logging
 
 from .. import kernels
 from ..checks import check_bool, check_int
 from ..encoder import Encoder, encoder_names, make_encoder
 from ..turboquant import MSE_BITS
-from .attention import compressed_attention, compressed_attention_ref, dense_attention, _scaled_queries
+from .attention import causal_sdpa, compressed_attention, compressed_attention_ref, dense_attention, _scaled_queries
 from .policy import ENCODE_STRIDE, SINK_LENGTH, KVPolicy, encoder_for
 from .store import CompressedTokens, KVStore, encoder_from_key, encoder_key, tracing
 
@@ -84,6 +84,8 @@ def tq_attention_forward(
         query = _scaled_queries(query, key).to(query.dtype)  # the window holds keys as the codes would
         key, value = key.window, value.window  # nothing compressed yet (prefill): all full precision
     if softcap is None:
+        if attention_mask is None and causal and 1 < query.shape[2] < key.shape[2]:  # see tq_attention_mask
+            return causal_sdpa(query, key, value, scaling).transpose(1, 2).contiguous(), None
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
@@ -92,14 +94,26 @@ def tq_attention_forward(
 
 
 def tq_attention_mask(*args: Any, **kwargs: Any) -> Tensor | None:
-    """The mask of the "tqindex" attention: transformers' ``sdpa_mask``, except for one query token per
-    sequence without padding or a local window while a CUDA graph is recorded (``DecodeGraph``): None (every
-    held key visible), which ``sdpa_mask`` of some releases does not return while recording."""
+    """The mask of the "tqindex" attention: transformers' ``sdpa_mask``, except None (causal: query i of Q
+    sees the keys up to position T - Q + i) where that mask would say no more than that:
+
+    - one query token per sequence without padding or a local window while a CUDA graph is recorded
+      (``DecodeGraph``), which ``sdpa_mask`` of some releases does not return while recording;
+    - several query tokens that are the newest of the keys (a prefill or chunk over a cache), causal, no
+      padding (or none masked), no local window or packed sequences (releases that pass ``q_offset``):
+      :func:`tq_attention_forward` then attends with the causal bias aligned to the last key, which
+      ``sdpa_mask`` spells out as a [Q, T] mask that keeps flash attention from running.
+    """
     position = kwargs.get("cache_position")  # releases before q_length passed the query positions
     q_length = kwargs.get("q_length", None if position is None else position.shape[0])
-    if (q_length == 1 and kwargs.get("attention_mask") is None and kwargs.get("local_size") is None
-            and kwargs.get("allow_is_causal_skip", True) and not tracing() and torch.cuda.is_available()
+    plain = (kwargs.get("local_size") is None and kwargs.get("allow_is_causal_skip", True) and not tracing()
+             and kwargs.get("mask_function", causal_mask_function) is causal_mask_function)
+    if (q_length == 1 and plain and kwargs.get("attention_mask") is None and torch.cuda.is_available()
             and torch.cuda.is_current_stream_capturing()):
+        return None
+    q_offset, padding = kwargs.get("q_offset"), kwargs.get("attention_mask")
+    if (plain and isinstance(q_length, int) and q_length > 1 and type(q_offset) is int and kwargs.get("kv_offset") == 0
+            and q_offset + q_length == kwargs.get("kv_length") and (padding is None or bool(padding.all()))):
         return None
     return sdpa_mask(*args, **kwargs)
 
