@@ -106,12 +106,12 @@ def tq_attention_mask(*args: Any, **kwargs: Any) -> Tensor | None:
     """
     position = kwargs.get("cache_position")  # releases before q_length passed the query positions
     q_length = kwargs.get("q_length", None if position is None else position.shape[0])
+    q_offset, padding = kwargs.get("q_offset"), kwargs.get("attention_mask")
     plain = (kwargs.get("local_size") is None and kwargs.get("allow_is_causal_skip", True) and not tracing()
              and kwargs.get("mask_function", causal_mask_function) is causal_mask_function)
-    if (q_length == 1 and plain and kwargs.get("attention_mask") is None and torch.cuda.is_available()
+    if (q_length == 1 and plain and padding is None and torch.cuda.is_available()
             and torch.cuda.is_current_stream_capturing()):
         return None
-    q_offset, padding = kwargs.get("q_offset"), kwargs.get("attention_mask")
     if (plain and isinstance(q_length, int) and q_length > 1 and type(q_offset) is int and kwargs.get("kv_offset") == 0
             and q_offset + q_length == kwargs.get("kv_length") and (padding is None or bool(padding.all()))):
         return None
