@@ -37,6 +37,6 @@ def test_prefill_from_decoded_blocks_matches_the_reference(keys, values, hq, hkv
         store.append(*(torch.randn(2, hkv, t, 64, generator=g).to(DEVICE).half() for _ in range(2)))
     k, v = store.view()
     q = torch.randn(2, hq, 40, 64, generator=g).to(DEVICE).half()
-    got = decoded_attention(q, k, v, 0.2, block_tokens=50, backend="triton")
+    got = decoded_attention(q, k, v, 0.2, block_elements=50 * 2 * hkv * 64, backend="triton")  # blocks of 50
     torch.testing.assert_close(got.float(), compressed_attention_ref(q, k, v, None, 0.2).float(), rtol=2e-3,
                                atol=2e-3)

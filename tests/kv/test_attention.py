@@ -67,7 +67,7 @@ def test_decoded_attention_matches_decode_then_attend(past, hq, hkv, device):
     nq = 70
     k, v = _kv(2, hkv, [past, nq], 64, "tq4", "tq3", residual=5, sink=2, dtype=dtype, device=device)
     q = _query(2, hq, nq, 64).to(device, dtype)
-    out = decoded_attention(q, k, v, 0.3, block_tokens=1000)
+    out = decoded_attention(q, k, v, 0.3, block_elements=1000 * 2 * hkv * 64)  # blocks of 1000 codes
     ref = compressed_attention_ref(q, k, v, None, 0.3)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     assert out.dtype == dtype and out.shape == ref.shape

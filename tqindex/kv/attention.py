@@ -36,8 +36,9 @@ BLOCK_TOKENS = 1024
 PREFILL_QUERIES = 64
 """Query tokens per sequence from which a CUDA call in half precision decodes the codes block by block for
 SDPA (:func:`decoded_attention`) instead of reading them in the attention kernel."""
-DECODED_BLOCK = 8192
-"""Compressed tokens :func:`decoded_attention` decodes at a time: its transient full-precision copy."""
+DECODED_ELEMENTS = 1 << 25
+"""Elements of keys (and as many of values) :func:`decoded_attention` decodes at a time, e.g. 32,768 tokens of 8
+heads of 128 dims, 64 MiB in bfloat16: its transient full-precision copy."""
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -130,28 +131,32 @@ def _fused(q: Tensor, keys: CompressedTokens, values: CompressedTokens, mask: Te
 
 
 def decoded_attention(q: Tensor, keys: CompressedTokens, values: CompressedTokens, scaling: float,
-                      block_tokens: int = DECODED_BLOCK, backend: str | None = None) -> Tensor:
+                      block_elements: int = DECODED_ELEMENTS, backend: str | None = None) -> Tensor:
     """Causal attention of queries that are the newest tokens of the window (no mask, no soft cap) over
-    compressed K/V by SDPA (flash attention on CUDA): ``block_tokens`` codes at a time decoded in the encoders'
-    rotated domains to q's dtype and attended by the rotated queries (``<R q, R k̂> = <q, k̂>``), their values'
-    sum rotated back once, then the window with the causal bias aligned to its last token; the parts merged
-    by their log-sum-exp. q [B, Hq, Q, Dk] already multiplied by the keys' ``query_scale`` -> [B, Hq, Q, Dv]
-    in q's dtype. ``backend``: of the decoding ("triton": ``kernels/decode_triton.py``, see
-    ``kernels.select``). Transient memory: one block's decoded keys and values."""
+    compressed K/V by SDPA (flash attention on CUDA), in the encoders' rotated domains
+    (``<R q, R k> = <q, k>``): the codes decoded there block by block to q's dtype, at most ``block_elements``
+    elements of keys (and of values) per block, the window rotated there and attended with the last block
+    (the causal bias aligned to its last token), the blocks merged by their log-sum-exp and the value sum
+    rotated back once. q [B, Hq, Q, Dk] already multiplied by the keys' ``query_scale`` -> [B, Hq, Q, Dv] in
+    q's dtype. ``backend``: of the decoding ("triton": ``kernels/decode_triton.py``, see ``kernels.select``).
+    Transient memory: one block's decoded keys and values."""
     readable = attention_reads(keys.encoder, values.encoder, None)
     chosen = kernels.select(q, keys.encoder.backend if backend is None else backend, ("triton",) if readable else (),
                             "decoding these codes")
-    window = _sdpa_lse(q, keys.window.to(q.dtype), values.window.to(q.dtype), scaling, causal=True)
-    tc = keys.codes.shape[2]
+    b, h, tc = keys.codes.shape
     if not tc:
-        return window[0]
+        return _sdpa_lse(q, keys.window.to(q.dtype), values.window.to(q.dtype), scaling, causal=True)[0]
+    block = max(1, block_elements // (b * h * max(keys.shape[-1], values.shape[-1])))
     qr = keys.encoder.rotate(q.float()).to(q.dtype)
     parts = []
-    for t0 in range(0, tc, block_tokens):
-        k, v = (_decoded(side, t0, min(t0 + block_tokens, tc), q.dtype, chosen) for side in (keys, values))
-        parts.append(_sdpa_lse(qr, k, v, scaling, causal=False))
-    codes = _merged(parts)
-    return _merged([(values.encoder.rotate_back(codes[0]), codes[1]), window])[0].to(q.dtype)
+    for t0 in range(0, tc, block):
+        t1 = min(t0 + block, tc)
+        k, v = (_decoded(side, t0, t1, q.dtype, chosen) for side in (keys, values))
+        if t1 == tc:  # the window joins the last block
+            k, v = (torch.cat([x, side.encoder.rotate(side.window.float()).to(q.dtype)], dim=2)
+                    for x, side in ((k, keys), (v, values)))
+        parts.append(_sdpa_lse(qr, k, v, scaling, causal=t1 == tc))
+    return values.encoder.rotate_back(_merged(parts)).to(q.dtype)
 
 
 def _decoded(tokens: CompressedTokens, t0: int, t1: int, dtype: torch.dtype, backend: str) -> Tensor:
@@ -164,13 +169,13 @@ def _decoded(tokens: CompressedTokens, t0: int, t1: int, dtype: torch.dtype, bac
     return tokens.encoder.decode_rotated(codes).to(dtype)
 
 
-def _merged(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
-    """Softmax parts (output [..., Q, D], log-sum-exp [..., Q]) over disjoint keys -> the whole's, float32."""
+def _merged(parts: list[tuple[Tensor, Tensor]]) -> Tensor:
+    """Softmax parts (output [..., Q, D], log-sum-exp [..., Q]) over disjoint keys -> the whole's output,
+    float32."""
     if len(parts) == 1:
-        return parts[0][0].float(), parts[0][1]
-    lse = torch.stack([part[1] for part in parts])  # [parts, ..., Q]
-    weights = torch.softmax(lse, dim=0)
-    return sum(w[..., None] * out.float() for w, (out, _) in zip(weights, parts)), torch.logsumexp(lse, dim=0)
+        return parts[0][0].float()
+    weights = torch.softmax(torch.stack([part[1] for part in parts]), dim=0)  # [parts, ..., Q]
+    return sum(w[..., None] * out.float() for w, (out, _) in zip(weights, parts))
 
 
 def _sdpa_lse(q: Tensor, k: Tensor, v: Tensor, scaling: float, causal: bool) -> tuple[Tensor, Tensor]:
