@@ -59,21 +59,23 @@ def test_none_mask_is_bottom_right_causal():
 
 @pytest.mark.parametrize("past", [1, 127, 129, 3017])
 @pytest.mark.parametrize("hq,hkv", [(1, 1), (6, 2), (4, 1), (8, 1)])
-@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
-def test_decoded_attention_matches_decode_then_attend(past, hq, hkv, device):
-    """The prefill path (codes decoded block by block, SDPA per block, log-sum-exp merge; flash attention on
-    CUDA) against decoding everything: ragged pasts, GQA groups 1, 3, 4, 8, sinks, blocks that split the codes."""
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+@pytest.mark.parametrize("device,dtype", [("cpu", torch.float32), ("cpu", torch.bfloat16)]
+                         + ([("cuda", torch.bfloat16)] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("residual,sink", [(5, 2), (0, 0)])
+def test_decoded_attention_matches_decode_then_attend(past, hq, hkv, device, dtype, residual, sink):
+    """The prefill path (codes decoded block by block, flash attention per block, log-sum-exp merge) against
+    decoding everything: ragged pasts, GQA groups 1, 3, 4, 8, sinks, a window of the queries alone, blocks
+    that split the codes."""
     nq = 70
-    k, v = _kv(2, hkv, [past, nq], 64, "tq4", "tq3", residual=5, sink=2, dtype=dtype, device=device)
+    k, v = _kv(2, hkv, [past, nq], 64, "tq4", "tq3", residual=residual, sink=sink, dtype=dtype, device=device)
     q = _query(2, hq, nq, 64).to(device, dtype)
     out = decoded_attention(q, k, v, 0.3, block_elements=1000 * 2 * hkv * 64)  # blocks of 1000 codes
     ref = compressed_attention_ref(q, k, v, None, 0.3)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     assert out.dtype == dtype and out.shape == ref.shape
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
-    if device == "cuda":  # what compressed_attention picks for a prefill in half precision on CUDA
-        torch.testing.assert_close(compressed_attention(q, k, v, None, 0.3).float(), ref.float(), rtol=tol, atol=tol)
+    # compressed_attention takes this path for a prefill
+    torch.testing.assert_close(compressed_attention(q, k, v, None, 0.3).float(), ref.float(), rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("nq,total", [(3, 10), (5, 5), (7, 300)])

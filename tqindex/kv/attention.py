@@ -6,9 +6,9 @@ signature); its PyTorch body walks the compressed tokens block by block with an 
 (``<R q, R k̂> = <q, k̂>``: queries are rotated once), accumulates values in the value encoder's rotated
 domain and rotates the output back once, then adds the full-precision window. Query heads sharing a
 KV head (GQA) are grouped, never repeated. :func:`compressed_attention_ref` (decode everything, then
-:func:`dense_attention`) is the reference it is tested against. Prefills (many query tokens in half precision
-on CUDA, causal, no mask) take :func:`decoded_attention` instead: flash attention over blocks of codes decoded
-in the rotated domain, merged by log-sum-exp.
+:func:`dense_attention`) is the reference it is tested against. Prefills (many query tokens, causal, no mask,
+on the CPU or in half precision on CUDA) take :func:`decoded_attention` instead: flash attention over blocks of
+codes decoded in the rotated domain, merged by log-sum-exp.
 
 Masks follow transformers' sdpa convention: bool ``[B|1, 1|Hq, Q, T]`` with True = attend, or an additive
 float mask of that shape, or None = causal (when ``causal`` and Q > 1; queries are the last Q of the T
@@ -34,8 +34,9 @@ from .store import CompressedTokens
 BLOCK_TOKENS = 1024
 """Compressed or window tokens scored per block: bounds the temporary memory of one attention call."""
 PREFILL_QUERIES = 64
-"""Query tokens per sequence from which a CUDA call in half precision decodes the codes block by block for
-SDPA (:func:`decoded_attention`) instead of reading them in the attention kernel."""
+"""Query tokens per sequence from which a call on the CPU or in half precision on CUDA decodes the codes block
+by block for flash attention (:func:`decoded_attention`) instead of reading them in the attention kernel or
+the blockwise PyTorch body."""
 DECODED_ELEMENTS = 1 << 25
 """Elements of keys (and as many of values) :func:`decoded_attention` decodes at a time, e.g. 32,768 tokens of 8
 heads of 128 dims, 64 MiB in bfloat16: its transient full-precision copy."""
@@ -68,8 +69,8 @@ def compressed_attention(
     _check(q, keys, values)
     if not isinstance(block_tokens, int) or block_tokens < 1:
         raise ValueError(f"block_tokens must be an integer >= 1, got {block_tokens!r}")
-    prefill = (mask is None and causal and softcap is None and keys.lengths is None and q.is_cuda
-               and q.dtype in _HALF and q.shape[2] >= PREFILL_QUERIES)
+    prefill = (mask is None and causal and softcap is None and keys.lengths is None and q.shape[2] >= PREFILL_QUERIES
+               and (q.device.type == "cpu" or (q.is_cuda and q.dtype in _HALF)))
     fused = _fused(q, keys, values, mask, backend, prefill)
     if keys.lengths is not None and (mask is not None or fused != "triton"):
         keys, values = keys.valid(), values.valid()
@@ -121,8 +122,8 @@ def _stored_order(mask: Tensor | None, keys: CompressedTokens, nq: int, causal: 
 def _fused(q: Tensor, keys: CompressedTokens, values: CompressedTokens, mask: Tensor | None,
            backend: str | None, prefill: bool = False) -> str:
     """The backend of one attention call: "triton" where the GPU kernel reads both encoders' codes and the
-    mask (see ``kernels.select``), else "torch"; "auto" takes "torch" for a ``prefill`` (many queries in
-    half precision on CUDA: :func:`decoded_attention` is faster there)."""
+    mask (see ``kernels.select``), else "torch"; "auto" takes "torch" for a ``prefill`` (many queries on the
+    CPU or in half precision on CUDA: :func:`decoded_attention` is faster there)."""
     backend = keys.encoder.backend if backend is None else backend
     readable = attention_reads(keys.encoder, values.encoder, mask)
     if prefill and kernels.requested(backend) == "auto":
@@ -133,11 +134,11 @@ def _fused(q: Tensor, keys: CompressedTokens, values: CompressedTokens, mask: Te
 def decoded_attention(q: Tensor, keys: CompressedTokens, values: CompressedTokens, scaling: float,
                       block_elements: int = DECODED_ELEMENTS, backend: str | None = None) -> Tensor:
     """Causal attention of queries that are the newest tokens of the window (no mask, no soft cap) over
-    compressed K/V by SDPA (flash attention on CUDA), in the encoders' rotated domains
-    (``<R q, R k> = <q, k>``): the codes decoded there block by block to q's dtype, at most ``block_elements``
-    elements of keys (and of values) per block, the window rotated there and attended with the last block
-    (the causal bias aligned to its last token), the blocks merged by their log-sum-exp and the value sum
-    rotated back once. q [B, Hq, Q, Dk] already multiplied by the keys' ``query_scale`` -> [B, Hq, Q, Dv] in
+    compressed K/V by flash attention, in the encoders' rotated domains (``<R q, R k> = <q, k>``): the codes
+    decoded there block by block to q's dtype, at most ``block_elements`` elements of keys (and of values) per
+    block, the window rotated there and attended with the causal bias aligned to its last token (on CUDA in
+    the last block's call, whose flash kernel aligns it so), the parts merged by their log-sum-exp and the
+    value sum rotated back once. q [B, Hq, Q, Dk] already multiplied by the keys' ``query_scale`` -> [B, Hq, Q, Dv] in
     q's dtype. ``backend``: of the decoding ("triton": ``kernels/decode_triton.py``, see ``kernels.select``).
     Transient memory: one block's decoded keys and values."""
     readable = attention_reads(keys.encoder, values.encoder, None)
@@ -148,14 +149,17 @@ def decoded_attention(q: Tensor, keys: CompressedTokens, values: CompressedToken
         return _sdpa_lse(q, keys.window.to(q.dtype), values.window.to(q.dtype), scaling, causal=True)[0]
     block = max(1, block_elements // (b * h * max(keys.shape[-1], values.shape[-1])))
     qr = keys.encoder.rotate(q.float()).to(q.dtype)
+    window = [side.encoder.rotate(side.window.float()).to(q.dtype) for side in (keys, values)]
     parts = []
     for t0 in range(0, tc, block):
         t1 = min(t0 + block, tc)
         k, v = (_decoded(side, t0, t1, q.dtype, chosen) for side in (keys, values))
-        if t1 == tc:  # the window joins the last block
-            k, v = (torch.cat([x, side.encoder.rotate(side.window.float()).to(q.dtype)], dim=2)
-                    for x, side in ((k, keys), (v, values)))
-        parts.append(_sdpa_lse(qr, k, v, scaling, causal=t1 == tc))
+        joined = q.is_cuda and t1 == tc
+        if joined:
+            k, v = torch.cat([k, window[0]], dim=2), torch.cat([v, window[1]], dim=2)
+        parts.append(_sdpa_lse(qr, k, v, scaling, causal=joined))
+    if not q.is_cuda:
+        parts.append(_sdpa_lse(qr, *window, scaling, causal=True))
     return values.encoder.rotate_back(_merged(parts)).to(q.dtype)
 
 
@@ -181,10 +185,17 @@ def _merged(parts: list[tuple[Tensor, Tensor]]) -> Tensor:
 def _sdpa_lse(q: Tensor, k: Tensor, v: Tensor, scaling: float, causal: bool) -> tuple[Tensor, Tensor]:
     """Attention of q [B, Hq, Q, D] over k, v [B, Hkv, T, D] (``causal``: query i sees keys up to T - Q + i)
     -> (output [B, Hq, Q, D] in q's dtype, log-sum-exp of the scaled scores [B, Hq, Q] float32). Flash
-    attention for CUDA half-precision tensors (GQA heads read in place), float32 math otherwise."""
-    if q.is_cuda and q.dtype in _HALF and q.shape[-1] == v.shape[-1] and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scaling)[:2]
-        return out, lse
+    attention (GQA heads read in place) for CUDA half-precision tensors and for CPU ones (the causal bias as an
+    additive mask where Q < T: the CPU kernel aligns it to the first key), float32 math otherwise."""
+    if q.shape[-1] == v.shape[-1]:
+        if q.is_cuda and q.dtype in _HALF and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256:
+            return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scaling)[:2]
+        if q.device.type == "cpu" and q.dtype in (torch.float32, *_HALF):
+            aligned = q.shape[2] == k.shape[2]  # the first and the last key's alignments agree
+            bias = None if aligned else _block_bias(None, causal, q.shape[2], k.shape[2], 0, k.shape[2], q.device)
+            bias = None if bias is None else bias.to(q.dtype)
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal and aligned,
+                                                                            attn_mask=bias, scale=scaling)[:2]
     groups = q.shape[1] // k.shape[1]
     s = q.float() @ k.float().repeat_interleave(groups, dim=1).mT * scaling  # [B, Hq, Q, T]
     bias = _block_bias(None, causal, q.shape[2], k.shape[2], 0, k.shape[2], q.device)
