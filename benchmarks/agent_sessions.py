@@ -472,7 +472,7 @@ def markdown(data: dict[str, Any]) -> str:
         same = a["sessions"] == target["sessions"] and a["budget"] == parse_bytes(target["budget"])
         where = ("" if same else f" (the targets' protocol is {target['sessions']} sessions under {target['budget']}; "
                  f"this run is smaller: {a['sessions']} sessions x {a['rounds']} rounds under "
-                 f"{a['budget'] / 1e9:.0f} GB)")
+                 f"{size(a['budget'])})")
         lines += ["", f"Targets of the H200 configuration, over the late rounds ({a['late_round']} on){where}:",
                   ""] + tl
     return "\n".join(lines) + "\n"
