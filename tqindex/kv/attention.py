@@ -150,15 +150,16 @@ def decoded_attention(q: Tensor, keys: CompressedTokens, values: CompressedToken
     block = max(1, block_elements // (b * h * max(keys.shape[-1], values.shape[-1])))
     qr = keys.encoder.rotate(q.float()).to(q.dtype)
     window = [side.encoder.rotate(side.window.float()).to(q.dtype) for side in (keys, values)]
+    join = q.is_cuda  # CUDA's flash kernel aligns the causal bias to the last key; the CPU's would need a mask
     parts = []
     for t0 in range(0, tc, block):
         t1 = min(t0 + block, tc)
         k, v = (_decoded(side, t0, t1, q.dtype, chosen) for side in (keys, values))
-        joined = q.is_cuda and t1 == tc
-        if joined:
+        last = join and t1 == tc
+        if last:
             k, v = torch.cat([k, window[0]], dim=2), torch.cat([v, window[1]], dim=2)
-        parts.append(_sdpa_lse(qr, k, v, scaling, causal=joined))
-    if not q.is_cuda:
+        parts.append(_sdpa_lse(qr, k, v, scaling, causal=last))
+    if not join:
         parts.append(_sdpa_lse(qr, *window, scaling, causal=True))
     return values.encoder.rotate_back(_merged(parts)).to(q.dtype)
 
