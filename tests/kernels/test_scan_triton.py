@@ -91,17 +91,25 @@ def test_ivf_scan_equals_the_reference(metric):
     same_up_to_ties(*out[0], *out[1])
 
 
+def small_tiles(monkeypatch):
+    """16-row tiles (enough of them in 1500 rows to sample or to keep the best few), one sampled tile per
+    candidate."""
+    import tqindex.kernels.scan_triton as st
+
+    monkeypatch.setattr(st, "SAMPLE_TILES", 1)
+    for tiles in ("TILES", "TILES_FILTER"):
+        monkeypatch.setattr(st, tiles, {q: (16, warps) for q, (_, warps) in getattr(st, tiles).items()})
+    return st
+
+
 # queries: FMAs, then MMAs of 16, 64 and 256 queries per program; room (0, 0): every query scanned again
 @pytest.mark.parametrize("nq, room", [(nq, room) for nq in (1, 3, 40) for room in ((3, 256), (0, 0))]
                          + [(200, (3, 256))])
 def test_sampled_bound_then_filter(monkeypatch, room, nq):
     """Large scans bound each query's k-th best by the top-k of a sample, keep the rows that reach it, and
     scan overflowing queries again with a running top-k: the same results as the reference."""
-    import tqindex.kernels.scan_triton as st
-
-    monkeypatch.setattr(st, "SAMPLE_TILES", 1)
-    for tiles in ("TILES", "TILES_FILTER"):  # 16-row tiles: enough of them in 1500 rows to sample
-        monkeypatch.setattr(st, tiles, {q: (16, warps) for q, (_, warps) in getattr(st, tiles).items()})
+    st = small_tiles(monkeypatch)
+    monkeypatch.setattr(st, "TILE_RESCORE_ROWS", 0)
     monkeypatch.setattr(st, "SAMPLE_FRACTION", 8)
     monkeypatch.setattr(st, "CAPACITY_FACTOR", room[0])
     monkeypatch.setattr(st, "CAPACITY_EXTRA", room[1])
@@ -110,3 +118,20 @@ def test_sampled_bound_then_filter(monkeypatch, room, nq):
     D0, I0 = index.search(q, 10)
     index.backend = "triton"
     same_up_to_ties(*index.search(q, 10), D0, I0)
+
+
+@pytest.mark.parametrize("nq, k, metric", [(1, 10, "l2"), (3, 1, "ip"), (17, 5, "cosine")])
+def test_best_tiles_rescored(monkeypatch, nq, k, metric):
+    """Few queries keep each tile's maximum; the rows of a query's best candidate_depth(k) tiles (the last
+    tile partial) are scored exactly: the same results as the reference."""
+    st = small_tiles(monkeypatch)
+    from tqindex.kernels.scan_triton import TritonScorer
+
+    x, q = data(1500, 64, 13).to(DEVICE), data(nq, 64, 14).to(DEVICE)
+    index = flat("tq4", 64, metric, x)
+    D0, I0 = index.search(q, k)
+    index.backend = "triton"
+    same_up_to_ties(*index.search(q, k), D0, I0)
+    codes = index._state.lists[0].live_codes
+    vals, cand = TritonScorer(index.encoder, index.encoder.rotate(q), metric == "l2").candidates(codes, k)
+    assert vals.shape == (nq, st.candidate_depth(k) * 16) and (cand < 1500).all()  # best tiles only

@@ -419,6 +419,10 @@ def candidate_depth(k: int) -> int:
     return next_power_of_2(k + max(8, k // 4))
 
 
+TILE_RESCORE_ROWS = 1 << 17
+"""Rows (queries x kept tiles x tile rows) up to which a flat scan keeps only each tile's maximum per query: a
+query's candidate_depth(k) best rows lie in its that many best tiles (no other tile holds a row above the
+least of their maxima), whose rows are then scored exactly. Beyond, the sampled bound and filtering scan below."""
 SAMPLE_FRACTION = 8
 """A flat scan first scans one row in this many (at least SAMPLE_TILES tiles per candidate kept) and
 takes each tile's best score per query: the k-th largest of those (k distinct rows) bounds the final
@@ -490,15 +494,21 @@ class TritonScorer(Scorer):
         return out_v.permute(2, 0, 1).reshape(m, -1), out_i.permute(2, 0, 1).reshape(m, -1), None
 
     def candidates(self, codes: Codes, k: int, rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Approximate scores and rows [m, c] that hold every query's top candidate_depth(k) rows: a
-        running top-k for small n; else the top-k of a sample bounds the k-th best and a filtering scan
-        keeps the rows that reach it (queries whose candidates overflow are scanned again with a running
-        top-k)."""
-        n, kt = len(codes), candidate_depth(k)
-        block_n = self._common(self.m if rows is None else len(rows), MODE_TILE_MAX)["BLOCK_N"]
+        """Scores and rows [m, c] that hold every query's top candidate_depth(k) rows: a running top-k for
+        small n; for few queries the rows of each query's best tiles (TILE_RESCORE_ROWS), scored exactly; else
+        the top-k of a sample bounds the k-th best and a filtering scan keeps the rows that reach it (queries
+        whose candidates overflow are scanned again with a running top-k)."""
+        n, kt, m = len(codes), candidate_depth(k), self.m if rows is None else len(rows)
+        block_n = self._common(m, MODE_TILE_MAX)["BLOCK_N"]
         sample = max(n // SAMPLE_FRACTION, SAMPLE_TILES * kt * block_n)
         if n <= 2 * sample:
             return self.scan(codes, k, rows)[:2]
+        if m * kt * block_n <= TILE_RESCORE_ROWS:
+            maxima, _, _ = self.scan(codes, k, rows, MODE_TILE_MAX)  # [m, tiles]
+            tiles = torch.topk(maxima, kt, dim=1).indices  # [m, kt]
+            cand = (tiles[:, :, None] * block_n + torch.arange(block_n, device=tiles.device)).reshape(m, -1)
+            cand = torch.where(cand < n, cand, -1)  # the last tile's rows past the end
+            return self._exact(rows, codes[cand.clamp_min(0).reshape(-1)], cand), cand
         maxima, _, _ = self.scan(codes[:sample], k, rows, MODE_TILE_MAX)  # [m, tiles]
         bound = torch.topk(maxima, kt, dim=1).values[:, -1]  # kt distinct rows reach it: <= the final kt-th best
         vals, cand, overflow = self.scan(codes, k, rows, MODE_FILTER, bound)
