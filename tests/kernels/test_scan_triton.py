@@ -50,6 +50,32 @@ def test_flat_scan_equals_the_reference(name, dim, n, nq, metric):
         same_up_to_ties(D, I, D0, I0)
 
 
+@pytest.mark.parametrize("name, dim, l2", [("tq4", 50, True), ("tq3", 130, False), ("tq8", 64, True),
+                                         ("tq2-pca", 48, False), ("tq1", 60, True)])
+@pytest.mark.parametrize("span", [1, 16])
+def test_rescore_is_exact(name, dim, l2, span):
+    """Candidates re-scored in float32 (rows or tiles of ``span`` rows, -1 for none, the last tile partial, a
+    subset of the queries) equal the encoder's decode times the query."""
+    from tqindex.kernels.scan_triton import TritonScorer
+
+    n = 129
+    x, q = data(n, dim, 5).to(DEVICE), data(5, dim, 6).to(DEVICE)
+    index = flat(name, dim, "l2" if l2 else "ip", x)
+    enc, codes = index.encoder, index._state.lists[0].live_codes
+    qs = enc.rotate(q) * (2 if l2 else 1)
+    g = torch.Generator().manual_seed(7)
+    cand = torch.randint(-1, (n + span - 1) // span, (3, 11), generator=g).to(DEVICE)
+    qrows = torch.tensor([4, 0, 2], device=DEVICE)
+    vals, rows = TritonScorer(enc, qs, l2).rescore(qrows, codes, cand, span)
+    expect_rows = torch.where(cand[:, :, None] >= 0, cand[:, :, None] * span + torch.arange(span, device=DEVICE), -1)
+    expect_rows = torch.where(expect_rows < n, expect_rows, -1).reshape(3, -1)
+    assert torch.equal(rows.long(), expect_rows)
+    xr = enc.decode_rotated(codes)
+    ref = qs[qrows] @ xr.T - (xr.square().sum(1) if l2 else 0)
+    ref = torch.where(expect_rows >= 0, ref.gather(1, expect_rows.clamp_min(0)), float("-inf"))
+    torch.testing.assert_close(vals, ref, rtol=1e-5, atol=1e-5 * float(ref[ref > float("-inf")].abs().max()))
+
+
 @pytest.mark.parametrize("decode", [0, 1] + ([2] if DEVICE.type == "cuda" else []))  # 2: inline PTX, CUDA only
 def test_decodes_agree(decode):
     from tqindex.kernels.scan_triton import TritonScorer
@@ -133,5 +159,5 @@ def test_best_tiles_rescored(monkeypatch, nq, k, metric):
     index.backend = "triton"
     same_up_to_ties(*index.search(q, k), D0, I0)
     codes = index._state.lists[0].live_codes
-    vals, cand = TritonScorer(index.encoder, index.encoder.rotate(q), metric == "l2").candidates(codes, k)
-    assert vals.shape == (nq, st.candidate_depth(k) * 16) and (cand < 1500).all()  # best tiles only
+    vals, cand, exact = TritonScorer(index.encoder, index.encoder.rotate(q), metric == "l2").candidates(codes, k)
+    assert exact and vals.shape == (nq, st.candidate_depth(k) * 16) and (cand < 1500).all()  # best tiles only

@@ -18,8 +18,9 @@ tree over the magnitude bits (any device, also Triton's interpreter), 2 (4-bit r
 PTX ``prmt`` byte permutes from four registers holding the eight f16 magnitudes, eight codes per
 instruction sequence.
 
-The candidates are then re-scored exactly (float32, the encoder's decode) on the host side, so scores and
-the final top-k equal the reference scan's (:class:`~tqindex.scorer.DecodeScorer`) up to exact ties.
+The candidates are then re-scored exactly by the same tile code in float32 (:func:`_rescore_kernel`: float32
+levels and queries, one query per program, the candidate rows read in place), so scores and the final top-k
+equal the reference scan's (:class:`~tqindex.scorer.DecodeScorer`) up to summation order and exact ties.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from torch import Tensor
 
 from ..codes import Codes
 from ..scorer import CodeRunList, Scorer
-from ..topk import TopK
+from ..topk import TopK, top_rows
 from . import multiprocessors
 from .graphs import any_true
 from .planes import RunLayout, cdiv, next_power_of_2, run_layouts, to_planes
@@ -79,8 +80,9 @@ def _magnitude(m, MAG, H: tl.constexpr):
 
 
 @triton.jit
-def _level(code, MAG, BITS: tl.constexpr, DECODE: tl.constexpr):
-    """Level of b-bit codes (int32) of a symmetric codebook with magnitudes MAG (ascending), as f16."""
+def _level(code, MAG, BITS: tl.constexpr, DECODE: tl.constexpr, EXACT: tl.constexpr = False):
+    """Level of b-bit codes (int32) of a symmetric codebook with magnitudes MAG (ascending), as f16 (EXACT:
+    float32)."""
     H: tl.constexpr = 1 << (BITS - 1)
     neg = code < H
     m = tl.where(neg, H - 1 - code, code - H)
@@ -88,7 +90,10 @@ def _level(code, MAG, BITS: tl.constexpr, DECODE: tl.constexpr):
         mag = tl.load(MAG + m)
     else:
         mag = _magnitude(m, MAG, H)
-    return tl.where(neg, -mag, mag).to(tl.float16)
+    lev = tl.where(neg, -mag, mag)
+    if not EXACT:
+        lev = lev.to(tl.float16)
+    return lev
 
 
 PRMT_ASM = tl.constexpr("""
@@ -169,68 +174,71 @@ def _groups(base, gmask, g, GB: tl.constexpr, NBYTES: tl.constexpr):
 
 
 @triton.jit
-def _plane_levels(grp, p: tl.constexpr, MAG, BITS: tl.constexpr, DECODE: tl.constexpr):
+def _plane_levels(grp, p: tl.constexpr, MAG, BITS: tl.constexpr, DECODE: tl.constexpr, EXACT: tl.constexpr = False):
     """Levels of plane ``p`` (code p of each group) of int32 groups ``grp``."""
     code = (grp >> (p * BITS)) & ((1 << BITS) - 1)
-    return _level(code, MAG, BITS, DECODE)
+    return _level(code, MAG, BITS, DECODE, EXACT)
 
 
 @triton.jit
 def _run_scores(acc, sq, rows, rmask, CODES, row_bytes, QP, qw, qcols, qmask, MAG,
                 BITS: tl.constexpr, GB: tl.constexpr, P: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                 BK: tl.constexpr, BOFF: tl.constexpr, QOFF: tl.constexpr, NBYTES: tl.constexpr,
-                W: tl.constexpr, L2: tl.constexpr, DECODE: tl.constexpr, BLOCK_Q: tl.constexpr, T0, T1, T2, T3):
+                W: tl.constexpr, L2: tl.constexpr, DECODE: tl.constexpr, BLOCK_Q: tl.constexpr, T0, T1, T2, T3,
+                EXACT: tl.constexpr):
     """Add one run's contribution to the score tile acc [BLOCK_N, BLOCK_Q] (and its squared levels to sq):
-    MMAs for blocks of 16 queries or more, FMAs for one query."""
+    MMAs for blocks of 16 queries or more, FMAs for one query: a step's products summed over its planes per
+    element in f16 (EXACT: float32 levels, queries and sums), then over the step's groups in f32."""
     for k0 in range(0, GP, BK):  # a runtime loop: large dims would unroll into a very long compile
         g = k0 + tl.arange(0, BK)  # groups of this step
         gmask = rmask[:, None] & (g[None, :] < G)
         base = CODES + rows[:, None].to(tl.int64) * row_bytes + BOFF + g[None, :] * GB  # [BLOCK_N, BK]
         byte, grp = _groups(base, gmask, g, GB, NBYTES)
-        if DECODE == 2 and BITS == 4:
+        if DECODE == 2 and BITS == 4 and not EXACT:
             lo, hi = _nibble_levels(byte, T0, T1, T2, T3)
+        part = tl.zeros((acc.shape[0], BK), tl.float32 if EXACT else tl.float16)  # one query: the step's products
         for p in tl.static_range(P):
-            if DECODE == 2 and BITS == 4:
+            if DECODE == 2 and BITS == 4 and not EXACT:
                 v = lo if p == 0 else hi
             else:
-                v = _plane_levels(grp, p, MAG, BITS, DECODE)
+                v = _plane_levels(grp, p, MAG, BITS, DECODE, EXACT)
             if L2:  # coordinates of the run only (elsewhere the planar queries are 0: no mask needed)
-                v = tl.where(gmask & (g[None, :] * P + p < W), v, 0.0).to(tl.float16)
+                v = tl.where(gmask & (g[None, :] * P + p < W), v, 0.0).to(v.dtype)
             q = tl.load(QP + qcols[None, :] * qw + QOFF + p * GP + g[:, None],
                         mask=qmask[None, :], other=0.0)  # [BK, BLOCK_Q]
             if BLOCK_Q >= 16:  # tensor cores
                 acc = tl.dot(v, q, acc)
-            else:  # one query (and a masked column: no size-1 dims): f16 products summed in f32, no layout change
-                acc += tl.sum((v * tl.sum(q, axis=1).to(tl.float16)[None, :]).to(tl.float32), axis=1)[:, None]
+            else:  # one query (and a masked column: no size-1 dims): the planes' products summed per element
+                part += v * tl.sum(q, axis=1).to(part.dtype)[None, :]
             if L2:
                 vf = v.to(tl.float32)
                 sq += tl.sum(vf * vf, axis=1)
+        if BLOCK_Q < 16:  # then in f32 over the step's groups, no layout change
+            acc += tl.sum(part.to(tl.float32), axis=1)[:, None]
     return acc, sq
 
 
 @triton.jit
 def _tile_scores(rows, n, CODES, NORM, row_bytes, QP, qw, qcols, qmask, QSCALE, MAG,
                  R0: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr, L2: tl.constexpr,
-                 DECODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr, T):
+                 DECODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr, T, EXACT: tl.constexpr = False):
     """Scores [BLOCK_N, BLOCK_Q] f32 of code rows ``rows`` (masked rows: -inf). R0..R2: the runs'
-    :class:`RunLayout` tuples; a run of 0 groups is absent."""
+    :class:`RunLayout` tuples; a run of 0 groups is absent. EXACT: one query (BLOCK_Q = 2, the second column
+    masked), float32 planar queries QP, levels in float32."""
     rmask = rows < n
     acc = tl.zeros((BLOCK_N, BLOCK_Q), tl.float32)
     sq = tl.zeros((BLOCK_N,), tl.float32)
     acc, sq = _run_scores(acc, sq, rows, rmask, CODES, row_bytes, QP, qw, qcols, qmask, MAG + R0[9],
-                          R0[0], R0[1], R0[2], R0[3], R0[4], R0[5], R0[6], R0[7], R0[8], R0[10], L2,
-                          DECODE, BLOCK_Q,
-                          T[0], T[1], T[2], T[3])
+                          R0[0], R0[1], R0[2], R0[3], R0[4], R0[5], R0[6], R0[7], R0[8], R0[10], L2, DECODE,
+                          BLOCK_Q, T[0], T[1], T[2], T[3], EXACT)
     if R1[3] > 0:
         acc, sq = _run_scores(acc, sq, rows, rmask, CODES, row_bytes, QP, qw, qcols, qmask, MAG + R1[9],
-                              R1[0], R1[1], R1[2], R1[3], R1[4], R1[5], R1[6], R1[7], R1[8], R1[10], L2,
-                          DECODE, BLOCK_Q,
-                              T[4], T[5], T[6], T[7])
+                              R1[0], R1[1], R1[2], R1[3], R1[4], R1[5], R1[6], R1[7], R1[8], R1[10], L2, DECODE,
+                              BLOCK_Q, T[4], T[5], T[6], T[7], EXACT)
     if R2[3] > 0:
         acc, sq = _run_scores(acc, sq, rows, rmask, CODES, row_bytes, QP, qw, qcols, qmask, MAG + R2[9],
-                              R2[0], R2[1], R2[2], R2[3], R2[4], R2[5], R2[6], R2[7], R2[8], R2[10], L2,
-                          DECODE, BLOCK_Q,
-                              T[8], T[9], T[10], T[11])
+                              R2[0], R2[1], R2[2], R2[3], R2[4], R2[5], R2[6], R2[7], R2[8], R2[10], L2, DECODE,
+                              BLOCK_Q, T[8], T[9], T[10], T[11], EXACT)
     s = tl.load(NORM + rows, mask=rmask, other=0.0).to(tl.float32)
     qs = tl.load(QSCALE + qcols, mask=qmask, other=1.0)
     score = acc * s[:, None] * qs[None, :]
@@ -356,6 +364,34 @@ def _lists_scan_kernel(CODE_PTRS, NORM_PTRS, SIZES, ITEM_LIST, ITEM_START, ITEM_
 
 
 @triton.jit
+def _rescore_kernel(CODES, NORM, n, row_bytes, QP, qw, QROWS, QSCALE, MAG, CAND, c, OUT_V, OUT_I,
+                    R0: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr, L2: tl.constexpr, DECODE: tl.constexpr,
+                    SPAN: tl.constexpr, HAS_QROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                    T0, T1, T2, T3, T4, T5, T6, T7, T8, T9, T10, T11):
+    """Program (query i, block j of its candidate rows): exact float32 scores for query QROWS[i] (HAS_QROWS,
+    else i; QP float32 planar queries). Entry e of CAND [m, c] stands for rows CAND[i, e] * SPAN + 0 ...
+    SPAN - 1 (SPAN 1: a row; more: a tile), -1 for none. OUT_V / OUT_I [m, c * SPAN]: the scores (-inf where
+    none or past the end) and rows (-1 there)."""
+    i, j = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    k = j * BLOCK_N + tl.arange(0, BLOCK_N)  # places of query i's rows, [0, c * SPAN)
+    kmask = k < c * SPAN
+    entry = tl.load(CAND + i * c + k // SPAN, mask=kmask, other=-1).to(tl.int64)
+    rows = tl.where(entry >= 0, entry * SPAN + k % SPAN, n)
+    rows = tl.where(rows < n, rows, n)
+    if HAS_QROWS:
+        q = tl.load(QROWS + i)
+    else:
+        q = i
+    qcols = q + tl.arange(0, 2)
+    qmask = tl.arange(0, 2) < 1  # one query; the second column masked
+    score = _tile_scores(rows, n, CODES, NORM, row_bytes, QP, qw, qcols, qmask, QSCALE, MAG, R0, R1, R2, L2,
+                         DECODE, BLOCK_N, 2, (T0, T1, T2, T3, T4, T5, T6, T7, T8, T9, T10, T11), True)
+    out = i * c * SPAN + k
+    tl.store(OUT_V + out, tl.max(tl.where(qmask[None, :], score, float("-inf")), axis=1), mask=kmask)
+    tl.store(OUT_I + out, tl.where(rows < n, rows, -1), mask=kmask)
+
+
+@triton.jit
 def _gather_rows_kernel(CODE_PTRS, NORM_PTRS, LISTS, ROWS, OUT_CODES, OUT_NORM, c, row_bytes,
                         NORM_F16: tl.constexpr, BLOCK_B: tl.constexpr):
     """Copy code row ROWS[i] of list LISTS[i] (and its scale) to OUT_CODES[i] / OUT_NORM[i]; i < c."""
@@ -379,11 +415,11 @@ def _gather_rows_kernel(CODE_PTRS, NORM_PTRS, LISTS, ROWS, OUT_CODES, OUT_NORM, 
 
 
 def planar_queries(qs: Tensor, layouts: list[RunLayout]) -> tuple[Tensor, Tensor]:
-    """Queries qs [m, dim] in planar order, f16 [m, plane_width], scaled per query by a power of two
+    """Queries qs [m, dim] in planar order, float32 [m, plane_width], scaled per query by a power of two
     (returned, float32 [m]) so that the largest coordinate is near 1."""
     amax = qs.abs().amax(1)
     scale = torch.where(amax > 0, torch.exp2(torch.ceil(torch.log2(amax.clamp_min(1e-30)))), torch.ones_like(amax))
-    return to_planes(qs / scale[:, None], layouts).half().contiguous(), scale.float().contiguous()
+    return to_planes(qs.float() / scale[:, None], layouts).contiguous(), scale.float().contiguous()
 
 
 def prmt_tables(mags: Tensor, layouts: list[RunLayout]) -> list[int]:
@@ -431,6 +467,8 @@ takes each tile's best score per query: the k-th largest of those (k distinct ro
 k-th best from below, so the full scan keeps only the rows that reach it (about k * SAMPLE_FRACTION per
 query) instead of maintaining a running top-k."""
 SAMPLE_TILES = 4
+RESCORE_BLOCK = 128
+"""Candidate rows per program of the exact re-scoring."""
 CAPACITY_FACTOR, CAPACITY_EXTRA = 3, 256
 """Candidate room per query in the filtering scan: CAPACITY_FACTOR times the expected count plus
 CAPACITY_EXTRA; a query whose candidates overflow it is scanned again with the running top-k."""
@@ -444,7 +482,8 @@ class TritonScorer(Scorer):
         super().__init__(encoder, qs, l2, bar)
         self.runs, self.mags, self.tables = encoder.derived(qs.device, "triton-scan",
                                                             lambda: _scan_tables(encoder, qs.device))
-        self.qp, self.qscale = planar_queries(qs.float(), [RunLayout(*r) for r in self.runs])
+        self.qp32, self.qscale = planar_queries(qs, [RunLayout(*r) for r in self.runs])
+        self.qp = self.qp32.half()  # the scan's MMA operand
         self.decode = default_decode(qs.device) if decode is None else decode
 
     def _common(self, m: int, mode: int) -> dict:
@@ -495,24 +534,22 @@ class TritonScorer(Scorer):
             return out_v.T, out_i.T, None
         return out_v.permute(2, 0, 1).reshape(m, -1), out_i.permute(2, 0, 1).reshape(m, -1), None
 
-    def candidates(self, codes: Codes, k: int, rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Scores and rows [m, c] that hold every query's top candidate_depth(k) rows: a running top-k for
-        small n; for few queries the rows of each query's best tiles (TILE_RESCORE_ROWS), scored exactly; else
-        the top-k of a sample bounds the k-th best and a filtering scan keeps the rows that reach it (queries
-        whose candidates overflow are scanned again with a running top-k)."""
+    def candidates(self, codes: Codes, k: int, rows: Tensor | None = None) -> tuple[Tensor, Tensor, bool]:
+        """Scores and rows [m, c] that hold every query's top candidate_depth(k) rows, and whether the scores
+        are exact: a running top-k for small n; for few queries the rows of each query's best tiles
+        (TILE_RESCORE_ROWS), scored exactly; else the top-k of a sample bounds the k-th best and a filtering
+        scan keeps the rows that reach it (queries whose candidates overflow are scanned again with a running
+        top-k)."""
         n, kt, m = len(codes), candidate_depth(k), self.m if rows is None else len(rows)
         block_n = self._common(m, MODE_TILE_MAX)["BLOCK_N"]
         sample = max(n // SAMPLE_FRACTION, SAMPLE_TILES * kt * block_n)
         if n <= 2 * sample:
-            return self.scan(codes, k, rows)[:2]
+            return *self.scan(codes, k, rows)[:2], False
         if m * kt * block_n <= TILE_RESCORE_ROWS:
             maxima, _, _ = self.scan(codes, k, rows, MODE_TILE_MAX)  # [m, tiles]
-            tiles = torch.topk(maxima, kt, dim=1).indices  # [m, kt]
-            cand = (tiles[:, :, None] * block_n + torch.arange(block_n, device=tiles.device)).reshape(m, -1)
-            cand = torch.where(cand < n, cand, -1)  # the last tile's rows past the end
-            return self._exact(rows, codes[cand.clamp_min(0).reshape(-1)], cand), cand
+            return *self.rescore(rows, codes, top_rows(maxima, kt)[1], block_n), True
         maxima, _, _ = self.scan(codes[:sample], k, rows, MODE_TILE_MAX)  # [m, tiles]
-        bound = torch.topk(maxima, kt, dim=1).values[:, -1]  # kt distinct rows reach it: <= the final kt-th best
+        bound = top_rows(maxima, kt)[0][:, -1]  # kt distinct rows reach it: <= the final kt-th best
         vals, cand, overflow = self.scan(codes, k, rows, MODE_FILTER, bound)
         if any_true(overflow):  # rare: more rows reach the bound than there is room for
             over = torch.nonzero(overflow).squeeze(1)
@@ -523,7 +560,7 @@ class TritonScorer(Scorer):
             cand = torch.nn.functional.pad(cand, (0, width - cand.shape[1]), value=-1)
             vals[over] = torch.nn.functional.pad(v2, (0, width - v2.shape[1]), value=float("-inf"))
             cand[over] = torch.nn.functional.pad(c2, (0, width - c2.shape[1]), value=-1)
-        return vals, cand
+        return vals, cand, False
 
     def push(self, codes: Codes, labels: Tensor | int, top: TopK, rows: Tensor | None = None,
              offset: Tensor | None = None, shift: Tensor | None = None) -> None:
@@ -532,33 +569,36 @@ class TritonScorer(Scorer):
         n, m = len(codes), self.m if rows is None else len(rows)
         if n == 0 or m == 0:
             return
-        vals, cand = self.candidates(codes, top.k, rows)
-        rows_of = self._best(vals, cand, candidate_depth(top.k))  # [m, kt] candidate rows, -1 where none
-        exact = self._exact(rows, codes[rows_of.clamp_min(0).reshape(-1)], rows_of)
+        scores, rows_of, exact = self.candidates(codes, top.k, rows)
+        if not exact:  # the best candidate_depth(k) of each query, re-scored
+            v, j = top_rows(scores, candidate_depth(top.k))
+            scores, rows_of = self.rescore(rows, codes, torch.where(v > float("-inf"), rows_of.gather(1, j), -1))
+        rows_of = rows_of.long()
         if isinstance(labels, int):
             lab = torch.where(rows_of >= 0, rows_of + labels, -1)
         else:
             lab = torch.where(rows_of >= 0, labels.to(rows_of.device)[rows_of.clamp_min(0)], -1)
         if offset is not None:
-            exact = exact + offset[:, None]
-        top.merge(exact, lab, rows)
+            scores = scores + offset[:, None]
+        top.merge(scores, lab, rows)
         self._advance(m * n)
 
-    @staticmethod
-    def _best(vals: Tensor, cand: Tensor, kt: int) -> Tensor:
-        """The kt best candidates of each row (vals/cand [m, c]) -> int64 rows [m, kt], -1 where none."""
-        v, j = torch.topk(vals, min(kt, vals.shape[1]), dim=1)
-        rows = cand.gather(1, j).long()
-        return torch.where(v > float("-inf"), rows, -1)
-
-    def _exact(self, qrows: Tensor | None, codes: Codes, rows_of: Tensor) -> Tensor:
-        """Exact float32 scores [m, kt] of the candidate codes (flattened [m * kt]) for query rows ``qrows``."""
-        qs = self.qs if qrows is None else self.qs[qrows]
-        xr = self.encoder.decode_rotated(codes).reshape(*rows_of.shape, -1)  # [m, kt, dim]
-        s = torch.einsum("md,mkd->mk", qs, xr)
-        if self.l2:
-            s = s - xr.square().sum(-1)
-        return s.masked_fill(rows_of < 0, float("-inf"))
+    def rescore(self, qrows: Tensor | None, codes: Codes, cand: Tensor, span: int = 1) -> tuple[Tensor, Tensor]:
+        """Exact float32 scores (the encoder's decode, up to summation order) of candidates cand [m, c] for
+        query rows ``qrows`` [m] (all when None): rows of ``codes`` (span 1) or tiles of ``span`` rows, -1 for
+        none -> (scores [m, c * span], -inf where none or past the end; rows int32 [m, c * span], -1 there)."""
+        m, width = cand.shape[0], cand.shape[1] * span
+        out_v = torch.empty(m, width, device=cand.device)
+        out_i = torch.empty(m, width, dtype=torch.int32, device=cand.device)
+        if m and width:
+            qdata, norm = codes.qdata.contiguous(), codes.norm.contiguous()
+            _rescore_kernel[(m, cdiv(width, RESCORE_BLOCK))](
+                qdata, norm, len(codes), qdata.shape[1], self.qp32, self.qp32.shape[1],
+                self.qscale if qrows is None else qrows, self.qscale, self.mags, cand.contiguous(), cand.shape[1],
+                out_v, out_i, R0=self.runs[0], R1=self.runs[1], R2=self.runs[2], L2=self.l2, DECODE=self.decode,
+                SPAN=span, HAS_QROWS=qrows is not None, BLOCK_N=RESCORE_BLOCK, num_warps=4,
+                **{f"T{i}": self.tables[i] for i in range(12)})
+        return out_v, out_i
 
     # -- IVF --------------------------------------------------------------------------------------------
     def push_lists(self, lists: CodeRunList, probes: Tensor, top: TopK, offsets: Tensor | None = None,
@@ -603,11 +643,12 @@ class TritonScorer(Scorer):
         vals = out_v[slot].reshape(m, nprobe * kt)
         rows = out_i[slot].reshape(m, nprobe * kt).long()
         lst = probes[:, :, None].expand(m, nprobe, kt).reshape(m, -1)
-        v, j = torch.topk(vals, min(kt, vals.shape[1]), dim=1)
+        v, j = top_rows(vals, kt)
         rows, lst = rows.gather(1, j), lst.gather(1, j)
         valid = v > float("-inf")
         codes = table.gather(lst.reshape(-1), rows.clamp_min(0).reshape(-1))
-        exact = self._exact(None, codes, torch.where(valid, rows, -1))
+        at = torch.arange(rows.numel(), device=device).reshape(rows.shape)  # rows of the gathered codes
+        exact, _ = self.rescore(None, codes, torch.where(valid, at, -1))
         top.merge(exact, torch.where(valid, table.labels(lst, rows), -1))
         self._advance(int(table.sizes[probes].sum()))
 

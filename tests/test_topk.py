@@ -1,0 +1,42 @@
+"""The running top-k kept as tensors (any device) against faiss's heaps."""
+
+import numpy as np
+import torch
+
+from tqindex.topk import HeapTopK, TensorTopK
+
+
+def test_tensor_topk_equals_the_heaps():
+    """Blocks pushed and candidates merged (all rows or a subset, labels -1 for none, a first merge narrower
+    than k) give the same sorted top-k as the heaps."""
+    g = torch.Generator().manual_seed(0)
+    for first_width in (3, 12):  # narrower and wider than k
+        tops = [TensorTopK(5, 8, "cpu"), HeapTopK(5, 8)]
+        v = torch.randn(5, first_width, generator=g)
+        lab = torch.randint(0, 1000, (5, first_width), generator=g)
+        lab[0, 1] = -1
+        steps = [("merge", v, lab, None),
+                 ("push", torch.randn(2, 6, generator=g), torch.arange(100, 106), torch.tensor([1, 3])),
+                 ("merge", torch.randn(3, 4, generator=g), torch.randint(0, 1000, (3, 4), generator=g),
+                  torch.tensor([4, 0, 2]))]
+        for top in tops:
+            for op, values, labels, rows in steps:
+                getattr(top, op)(values, labels, rows)
+        (v0, l0), (v1, l1) = (t.result() for t in tops)
+        np.testing.assert_array_equal(v0.numpy(), v1.numpy())
+        assert ((l0 == l1) | (v0 == -np.inf)).all()
+
+
+def test_top_rows_equals_torch_topk(monkeypatch):
+    """Whole-row sorts, chunked sorts (a partial last chunk), and torch.topk for large inputs: the same values
+    as torch.topk, and columns holding them."""
+    import tqindex.topk as T
+
+    monkeypatch.setattr(T, "SORT_WIDTH", 64)
+    g = torch.Generator().manual_seed(1)
+    for m, width, k in [(3, 50, 7), (2, 64, 64), (4, 1000, 16), (1, 200, 30), (5, 9, 20), (200, 6000, 5)]:
+        x = torch.randn(m, width, generator=g)
+        x[0, :3] = -np.inf
+        v, j = T.top_rows(x, k)
+        v0, _ = torch.topk(x, min(k, width), dim=1)
+        assert j.dtype == torch.int64 and torch.equal(v, v0) and torch.equal(x.gather(1, j), v)
