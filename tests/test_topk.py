@@ -26,17 +26,3 @@ def test_tensor_topk_equals_the_heaps():
         np.testing.assert_array_equal(v0.numpy(), v1.numpy())
         assert ((l0 == l1) | (v0 == -np.inf)).all()
 
-
-def test_top_rows_equals_torch_topk(monkeypatch):
-    """Whole-row sorts, chunked sorts (a partial last chunk), and torch.topk for large inputs: the same values
-    as torch.topk, and columns holding them."""
-    import tqindex.topk as T
-
-    monkeypatch.setattr(T, "SORT_WIDTH", 64)
-    g = torch.Generator().manual_seed(1)
-    for m, width, k in [(3, 50, 7), (2, 64, 64), (4, 1000, 16), (1, 200, 30), (5, 9, 20), (200, 6000, 5)]:
-        x = torch.randn(m, width, generator=g)
-        x[0, :3] = -np.inf
-        v, j = T.top_rows(x, k)
-        v0, _ = torch.topk(x, min(k, width), dim=1)
-        assert j.dtype == torch.int64 and torch.equal(v, v0) and torch.equal(x.gather(1, j), v)

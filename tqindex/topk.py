@@ -37,32 +37,6 @@ class TopK:
         raise NotImplementedError
 
 
-SORT_WIDTH, SORT_ELEMENTS = 4096, 1 << 20
-"""Small selections (x of at most SORT_ELEMENTS values) are made by :func:`top_rows` with sorts of rows of at
-most SORT_WIDTH values: on CUDA one bitonic-sort kernel, where ``torch.topk`` launches several or one slow
-single-block kernel per row (on an H200 about 20 us for one row of 4096); large ones by ``torch.topk``."""
-
-
-def top_rows(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """The min(k, L) largest values of each row of x [m, L] and their columns (int64), best first (equal values
-    in any order), as ``torch.topk(x, k, dim=1)``: small x by sorts of whole rows of at most SORT_WIDTH, longer
-    rows by the top k of each such chunk first (k <= SORT_WIDTH / 4), then of those."""
-    m, width = x.shape
-    k = min(k, width)
-    if m * width > SORT_ELEMENTS or (width > SORT_WIDTH and 4 * k > SORT_WIDTH):
-        return torch.topk(x, k, dim=1)
-    if width <= SORT_WIDTH:
-        v, j = torch.sort(x, dim=1, descending=True)
-        return v[:, :k], j[:, :k]
-    chunks = -(-width // SORT_WIDTH)
-    pad = torch.nn.functional.pad(x, (0, chunks * SORT_WIDTH - width), value=-math.inf)
-    v, j = torch.sort(pad.reshape(m * chunks, SORT_WIDTH), dim=1, descending=True)
-    start = torch.arange(0, chunks * SORT_WIDTH, SORT_WIDTH, device=x.device).repeat(m)[:, None]
-    v, j = v[:, :k].reshape(m, chunks * k), (j[:, :k] + start).reshape(m, chunks * k)
-    v, at = top_rows(v, k)
-    return v, j.gather(1, at)
-
-
 def make_topk(nq: int, k: int, device: torch.device) -> TopK:
     """A running top-k for ``nq`` rows on ``device`` (faiss heaps on the CPU)."""
     return HeapTopK(nq, k) if device.type == "cpu" else TensorTopK(nq, k, device)
@@ -119,13 +93,12 @@ class HeapTopK(TopK):
 
 class TensorTopK(TopK):
     """Top-k kept as tensors on any device, each row sorted best first; a push takes the top k of the
-    current row and the block together (:func:`top_rows`)."""
+    current row and the block together (``torch.topk``)."""
 
     def __init__(self, nq: int, k: int, device: torch.device | str) -> None:
         self.k = k
         self.values = torch.full((nq, k), -math.inf, device=device)
         self.labels = torch.full((nq, k), -1, dtype=torch.int64, device=device)
-        self._empty = True  # nothing merged yet
 
     def push(self, scores: Tensor, labels: Tensor, rows: Tensor | None = None, offset: Tensor | None = None) -> None:
         if offset is not None:
@@ -134,15 +107,9 @@ class TensorTopK(TopK):
 
     def merge(self, values: Tensor, labels: Tensor, rows: Tensor | None = None) -> None:
         values = values.float().masked_fill(labels < 0, -math.inf)
-        if self._empty and rows is None and values.shape[1] >= self.k:  # the first merge of every row: no concat
-            self.values, j = top_rows(values, self.k)
-            self.labels = labels.gather(1, j).masked_fill(self.values == -math.inf, -1)
-            self._empty = False
-            return
-        self._empty = False
         old_v = self.values if rows is None else self.values[rows]
         old_l = self.labels if rows is None else self.labels[rows]
-        v, j = top_rows(torch.cat([old_v, values], 1), self.k)
+        v, j = torch.topk(torch.cat([old_v, values], 1), self.k, dim=1)
         lab = torch.cat([old_l, labels], 1).gather(1, j)
         lab = lab.masked_fill(v == -math.inf, -1)
         if rows is None:

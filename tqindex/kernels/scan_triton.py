@@ -34,7 +34,7 @@ from torch import Tensor
 
 from ..codes import Codes
 from ..scorer import CodeRunList, Scorer
-from ..topk import TopK, top_rows
+from ..topk import TopK
 from . import multiprocessors
 from .graphs import any_true
 from .planes import RunLayout, cdiv, next_power_of_2, run_layouts, to_planes
@@ -455,12 +455,14 @@ def candidate_depth(k: int) -> int:
     return next_power_of_2(k + max(8, k // 4))
 
 
-TILE_RESCORE_ROWS = 1 << 15
-"""Rows (queries x kept tiles x tile rows) up to which a flat scan keeps only each tile's maximum per query: a
-query's candidate_depth(k) best rows lie in its that many best tiles (no other tile holds a row above the
-least of their maxima), whose rows are then scored exactly. Beyond, the sampled bound and filtering scan below.
-On an H200 (10M x 128 tq4, graph replays) one query took 0.81 ms instead of 0.86 at k = 10 and 0.86 instead of
-0.96 at k = 100; 16 queries at k = 10 (131,072 rows) 1.24 ms instead of 1.15, hence the limit."""
+TILE_QUERIES = 16
+"""Up to this many queries, when the rows re-scored (queries x kept tiles x tile rows) are at most as many as the
+sampled bound below scans, a flat scan keeps only each tile's maximum per query: a query's
+candidate_depth(k) best rows lie in its that many best tiles (no other tile holds a row above the least of
+their maxima), whose rows are then scored exactly. Beyond, the sampled bound and filtering scan below. On an
+H200 (10M x 128 tq4, graph replays) 16 queries took 0.98 ms instead of 1.20 at k = 10 and 1.10 instead of
+1.22 at k = 100; at 390k x 50, where their rows re-scored would exceed the sample, 0.32 and 0.46 ms instead of
+0.30 and 0.32."""
 SAMPLE_FRACTION = 8
 """A flat scan first scans one row in this many (at least SAMPLE_TILES tiles per candidate kept) and
 takes each tile's best score per query: the k-th largest of those (k distinct rows) bounds the final
@@ -537,7 +539,7 @@ class TritonScorer(Scorer):
     def candidates(self, codes: Codes, k: int, rows: Tensor | None = None) -> tuple[Tensor, Tensor, bool]:
         """Scores and rows [m, c] that hold every query's top candidate_depth(k) rows, and whether the scores
         are exact: a running top-k for small n; for few queries the rows of each query's best tiles
-        (TILE_RESCORE_ROWS), scored exactly; else the top-k of a sample bounds the k-th best and a filtering
+        (TILE_QUERIES), scored exactly; else the top-k of a sample bounds the k-th best and a filtering
         scan keeps the rows that reach it (queries whose candidates overflow are scanned again with a running
         top-k)."""
         n, kt, m = len(codes), candidate_depth(k), self.m if rows is None else len(rows)
@@ -545,11 +547,11 @@ class TritonScorer(Scorer):
         sample = max(n // SAMPLE_FRACTION, SAMPLE_TILES * kt * block_n)
         if n <= 2 * sample:
             return *self.scan(codes, k, rows)[:2], False
-        if m * kt * block_n <= TILE_RESCORE_ROWS:
+        if m <= TILE_QUERIES and m * kt * block_n <= sample:
             maxima, _, _ = self.scan(codes, k, rows, MODE_TILE_MAX)  # [m, tiles]
-            return *self.rescore(rows, codes, top_rows(maxima, kt)[1], block_n), True
+            return *self.rescore(rows, codes, torch.topk(maxima, kt, dim=1, sorted=False).indices, block_n), True
         maxima, _, _ = self.scan(codes[:sample], k, rows, MODE_TILE_MAX)  # [m, tiles]
-        bound = top_rows(maxima, kt)[0][:, -1]  # kt distinct rows reach it: <= the final kt-th best
+        bound = torch.topk(maxima, kt, dim=1).values[:, -1]  # kt distinct rows reach it: <= the final kt-th best
         vals, cand, overflow = self.scan(codes, k, rows, MODE_FILTER, bound)
         if any_true(overflow):  # rare: more rows reach the bound than there is room for
             over = torch.nonzero(overflow).squeeze(1)
@@ -571,7 +573,7 @@ class TritonScorer(Scorer):
             return
         scores, rows_of, exact = self.candidates(codes, top.k, rows)
         if not exact:  # the best candidate_depth(k) of each query, re-scored
-            v, j = top_rows(scores, candidate_depth(top.k))
+            v, j = torch.topk(scores, min(candidate_depth(top.k), scores.shape[1]), dim=1, sorted=False)
             scores, rows_of = self.rescore(rows, codes, torch.where(v > float("-inf"), rows_of.gather(1, j), -1))
         rows_of = rows_of.long()
         if isinstance(labels, int):
@@ -643,7 +645,7 @@ class TritonScorer(Scorer):
         vals = out_v[slot].reshape(m, nprobe * kt)
         rows = out_i[slot].reshape(m, nprobe * kt).long()
         lst = probes[:, :, None].expand(m, nprobe, kt).reshape(m, -1)
-        v, j = top_rows(vals, kt)
+        v, j = torch.topk(vals, min(kt, vals.shape[1]), dim=1, sorted=False)
         rows, lst = rows.gather(1, j), lst.gather(1, j)
         valid = v > float("-inf")
         codes = table.gather(lst.reshape(-1), rows.clamp_min(0).reshape(-1))
