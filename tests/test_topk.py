@@ -25,4 +25,3 @@ def test_tensor_topk_equals_the_heaps():
         (v0, l0), (v1, l1) = (t.result() for t in tops)
         np.testing.assert_array_equal(v0.numpy(), v1.numpy())
         assert ((l0 == l1) | (v0 == -np.inf)).all()
-
