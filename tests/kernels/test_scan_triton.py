@@ -50,6 +50,15 @@ def test_flat_scan_equals_the_reference(name, dim, n, nq, metric):
         same_up_to_ties(D, I, D0, I0)
 
 
+def test_zero_query_scores_zero():
+    """A query of zeros (scaled by a tiny power of two, not by 0) scores 0 against every row."""
+    x = data(300, 64, 8).to(DEVICE)
+    index = flat("tq4", 64, "ip", x)
+    index.backend = "triton"
+    D, I = index.search(torch.zeros(2, 64, device=DEVICE), 5)
+    assert (D == 0).all() and ((I >= 0) & (I < 300)).all()
+
+
 @pytest.mark.parametrize("name, dim, l2", [("tq4", 50, True), ("tq3", 130, False), ("tq8", 64, True),
                                          ("tq2-pca", 48, False), ("tq1", 60, True)])
 @pytest.mark.parametrize("span", [1, 16])

@@ -417,9 +417,8 @@ def _gather_rows_kernel(CODE_PTRS, NORM_PTRS, LISTS, ROWS, OUT_CODES, OUT_NORM, 
 def planar_queries(qs: Tensor, layouts: list[RunLayout]) -> tuple[Tensor, Tensor]:
     """Queries qs [m, dim] in planar order, float32 [m, plane_width], scaled per query by a power of two
     (returned, float32 [m]) so that the largest coordinate is near 1."""
-    amax = qs.abs().amax(1)
-    scale = torch.where(amax > 0, torch.exp2(torch.ceil(torch.log2(amax.clamp_min(1e-30)))), torch.ones_like(amax))
-    return to_planes(qs.float() / scale[:, None], layouts).contiguous(), scale.float().contiguous()
+    scale = torch.exp2(torch.ceil(torch.log2(qs.abs().amax(1).float().clamp_min(1e-30))))  # a zero query: 2^-99
+    return to_planes(qs.float() / scale[:, None], layouts).contiguous(), scale.contiguous()
 
 
 def prmt_tables(mags: Tensor, layouts: list[RunLayout]) -> list[int]:
