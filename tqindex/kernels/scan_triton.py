@@ -376,8 +376,8 @@ def _rescore_kernel(CODES, NORM, n, row_bytes, QP, qw, QROWS, QSCALE, MAG, CAND,
     k = j * BLOCK_N + tl.arange(0, BLOCK_N)  # places of query i's rows, [0, c * SPAN)
     kmask = k < c * SPAN
     entry = tl.load(CAND + i * c + k // SPAN, mask=kmask, other=-1).to(tl.int64)
-    rows = tl.where(entry >= 0, entry * SPAN + k % SPAN, n)
-    rows = tl.where(rows < n, rows, n)
+    rows = entry * SPAN + k % SPAN
+    rows = tl.where((entry >= 0) & (rows < n), rows, n)  # none, or past the end of a last partial tile
     if HAS_QROWS:
         q = tl.load(QROWS + i)
     else:
@@ -417,8 +417,9 @@ def _gather_rows_kernel(CODE_PTRS, NORM_PTRS, LISTS, ROWS, OUT_CODES, OUT_NORM, 
 def planar_queries(qs: Tensor, layouts: list[RunLayout]) -> tuple[Tensor, Tensor]:
     """Queries qs [m, dim] in planar order, float32 [m, plane_width], scaled per query by a power of two
     (returned, float32 [m]) so that the largest coordinate is near 1."""
-    scale = torch.exp2(torch.ceil(torch.log2(qs.abs().amax(1).float().clamp_min(1e-30))))  # a zero query: 2^-99
-    return to_planes(qs.float() / scale[:, None], layouts).contiguous(), scale.contiguous()
+    qs = qs.float()
+    scale = torch.exp2(torch.ceil(torch.log2(qs.abs().amax(1).clamp_min(1e-30))))  # a zero query: 2^-99
+    return to_planes(qs / scale[:, None], layouts).contiguous(), scale.contiguous()
 
 
 def prmt_tables(mags: Tensor, layouts: list[RunLayout]) -> list[int]:
