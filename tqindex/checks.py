@@ -112,7 +112,7 @@ def unit_rows(t: Tensor) -> tuple[Tensor, Tensor]:
     finite input: rows outside NORM_SAFE are scaled by a power of two first, which gives them the very
     quotients their safe multiples get."""
     n = row_norms(t)
-    unsafe = ~((n >= NORM_SAFE[0]) & (n <= NORM_SAFE[1])) & (n > 0)
+    unsafe = (n.clamp(*NORM_SAFE) != n) & (n > 0)
     u = t / torch.where(n > 0, n, torch.ones_like(n))[:, None]
     if any_true(unsafe):
         unsafe = torch.nonzero(unsafe).squeeze(1)
@@ -125,7 +125,7 @@ def unit_rows(t: Tensor) -> tuple[Tensor, Tensor]:
 def check_norms(norms: Tensor, low: float, high: float, name: str, holder: str, remedy: str) -> None:
     """ValueError naming the rows whose nonzero norm (float32 [n]) is outside [low, high]: ``holder`` is
     what cannot hold them, ``remedy`` what the caller can do."""
-    bad = (norms != 0) & ~((norms >= low) & (norms <= high))
+    bad = (norms.clamp(low, high) != norms) & (norms != 0)  # NaN too (few kernels: searches validate queries)
     if any_true(bad):
         rows = torch.nonzero(bad).squeeze(1)
         shown = ", ".join(f"{int(r)} ({float(norms[r]):.3g})" for r in rows[:5])

@@ -92,13 +92,14 @@ class HeapTopK(TopK):
 
 
 class TensorTopK(TopK):
-    """Top-k kept as tensors on any device, each row sorted best first; a push takes the top k of the
-    current row and the block together (``torch.topk``)."""
+    """Top-k kept as tensors on any device, each row sorted best first; a merge takes the top k of the
+    current rows and the candidates together (``torch.topk``). Nothing is allocated before the first merge,
+    and a first merge of every row needs no concatenation (fewer kernels for a search that merges once)."""
 
     def __init__(self, nq: int, k: int, device: torch.device | str) -> None:
-        self.k = k
-        self.values = torch.full((nq, k), -math.inf, device=device)
-        self.labels = torch.full((nq, k), -1, dtype=torch.int64, device=device)
+        self.k, self.nq, self.device = k, nq, torch.device(device)
+        self.values: Tensor | None = None  # [nq, k] once merged into
+        self.labels: Tensor | None = None
 
     def push(self, scores: Tensor, labels: Tensor, rows: Tensor | None = None, offset: Tensor | None = None) -> None:
         if offset is not None:
@@ -107,10 +108,15 @@ class TensorTopK(TopK):
 
     def merge(self, values: Tensor, labels: Tensor, rows: Tensor | None = None) -> None:
         values = values.float().masked_fill(labels < 0, -math.inf)
-        old_v = self.values if rows is None else self.values[rows]
-        old_l = self.labels if rows is None else self.labels[rows]
-        v, j = torch.topk(torch.cat([old_v, values], 1), self.k, dim=1)
-        lab = torch.cat([old_l, labels], 1).gather(1, j)
+        if self.values is None and rows is None and values.shape[1] >= self.k:
+            v, j = torch.topk(values, self.k, dim=1)
+            lab = labels.gather(1, j)
+        else:
+            self._start()
+            old_v = self.values if rows is None else self.values[rows]
+            old_l = self.labels if rows is None else self.labels[rows]
+            v, j = torch.topk(torch.cat([old_v, values], 1), self.k, dim=1)
+            lab = torch.cat([old_l, labels], 1).gather(1, j)
         lab = lab.masked_fill(v == -math.inf, -1)
         if rows is None:
             self.values, self.labels = v, lab
@@ -118,4 +124,11 @@ class TensorTopK(TopK):
             self.values[rows], self.labels[rows] = v, lab
 
     def result(self) -> tuple[Tensor, Tensor]:
+        self._start()
         return self.values, self.labels
+
+    def _start(self) -> None:
+        """Empty places (-inf, label -1) where nothing was merged yet."""
+        if self.values is None:
+            self.values = torch.full((self.nq, self.k), -math.inf, device=self.device)
+            self.labels = torch.full((self.nq, self.k), -1, dtype=torch.int64, device=self.device)

@@ -59,6 +59,27 @@ def test_zero_query_scores_zero():
     assert (D == 0).all() and ((I >= 0) & (I < 300)).all()
 
 
+@pytest.mark.parametrize("name, dim, m", [("tq4", 50, 1), ("tq3", 130, 3), ("tq2-pca", 48, 17), ("tq1", 60, 2),
+                                         ("tq8", 384, 5)])
+def test_planar_queries_kernel_equals_the_reference(name, dim, m):
+    """The one-launch planar queries equal the PyTorch reference exactly: float32 and float16 copies and the
+    power-of-two scales, with a zero query and a query whose largest magnitude is a power of two."""
+    from tqindex.kernels.planes import RunLayout
+    from tqindex.kernels.scan_triton import _scan_tables, planar_queries, planar_queries_triton
+
+    index = flat(name, dim, "ip", data(300, dim, 3).to(DEVICE))
+    layouts = [RunLayout(*r) for r in _scan_tables(index.encoder, DEVICE)[0]]
+    q = data(m, dim, 4).to(DEVICE)
+    q[0] = 0
+    if m > 1:
+        q[1, 3] = -torch.exp2(torch.floor(torch.log2(4 * q[1].abs().max())))  # the largest, a power of two
+    qp32, qp16, scale = planar_queries_triton(q, layouts)
+    ref, ref_scale = planar_queries(q, layouts)
+    assert torch.equal(qp32, ref) and torch.equal(scale, ref_scale) and torch.equal(qp16, ref.half())
+    assert scale[0] == 2.0 ** -99 and (m == 1 or scale[1] == q[1, 3].abs())
+    assert (ref.abs().amax(1) <= 1).all() and (ref[1:].abs().amax(1) > 0.5).all()
+
+
 @pytest.mark.parametrize("name, dim, l2", [("tq4", 50, True), ("tq3", 130, False), ("tq8", 64, True),
                                          ("tq2-pca", 48, False), ("tq1", 60, True)])
 @pytest.mark.parametrize("span", [1, 16])
@@ -78,7 +99,7 @@ def test_rescore_is_exact(name, dim, l2, span):
     vals, rows = TritonScorer(enc, qs, l2).rescore(qrows, codes, cand, span)
     expect_rows = torch.where(cand[:, :, None] >= 0, cand[:, :, None] * span + torch.arange(span, device=DEVICE), -1)
     expect_rows = torch.where(expect_rows < n, expect_rows, -1).reshape(3, -1)
-    assert torch.equal(rows.long(), expect_rows)
+    assert rows.dtype == torch.int64 and torch.equal(rows, expect_rows)
     xr = enc.decode_rotated(codes)
     ref = qs[qrows] @ xr.T - (xr.square().sum(1) if l2 else 0)
     ref = torch.where(expect_rows >= 0, ref.gather(1, expect_rows.clamp_min(0)), float("-inf"))

@@ -128,7 +128,8 @@ def _record(search: Callable[[Tensor], tuple[Tensor, ...]], q: Tensor) -> _Graph
         graph.capture_begin(capture_error_mode="thread_local")
         try:
             out = search(static)
-            check = torch.stack(_recording.checks).any() if _recording.checks else None
+            checks = _recording.checks
+            check = None if not checks else checks[0] if len(checks) == 1 else torch.stack(checks).any()
         except RuntimeError:  # a host read of device values inside the search
             recorded = False
         finally:

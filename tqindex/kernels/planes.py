@@ -98,11 +98,12 @@ def plane_coordinates(layouts: Sequence[RunLayout], dim: int) -> Tensor:
 
 def to_planes(x: Tensor, layouts: Sequence[RunLayout]) -> Tensor:
     """Rows x [m, dim] in planar order [m, plane_width] (zeros where padded)."""
-    return torch.nn.functional.pad(x, (0, 1))[:, _coordinates(tuple(layouts), x.shape[1], x.device)]
+    return torch.nn.functional.pad(x, (0, 1))[:, coordinates_on(tuple(layouts), x.shape[1], x.device)]
 
 
 @lru_cache(maxsize=64)
-def _coordinates(layouts: tuple[RunLayout, ...], dim: int, device: torch.device) -> Tensor:
+def coordinates_on(layouts: tuple[RunLayout, ...], dim: int, device: torch.device) -> Tensor:
+    """:func:`plane_coordinates` on ``device`` (cached)."""
     return plane_coordinates(layouts, dim).to(device)
 
 

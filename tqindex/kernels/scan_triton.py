@@ -37,7 +37,7 @@ from ..scorer import CodeRunList, Scorer
 from ..topk import TopK
 from . import multiprocessors
 from .graphs import any_true
-from .planes import RunLayout, cdiv, next_power_of_2, run_layouts, to_planes
+from .planes import RunLayout, cdiv, coordinates_on, next_power_of_2, run_layouts, to_planes
 
 TILES = {2: (256, 4), 16: (256, 8), 32: (64, 4), 64: (64, 4), 128: (64, 4), 256: (32, 4)}
 """Queries per program (BLOCK_Q: 2 holds one query, scored by FMAs; 16 and more, the MMA's N dimension) ->
@@ -274,14 +274,14 @@ def _insert(vals, idx, score, rows, KT: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _flat_scan_kernel(CODES, NORM, n, row_bytes, QP, qw, nq, QSCALE, MAG, OUT_V, OUT_I, rows_per_split,
-                      THR, COUNT, cap,
+                      THR, thr_stride, COUNT, cap,
                       R0: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr, L2: tl.constexpr,
                       DECODE: tl.constexpr, KT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
                       T0, T1, T2, T3, T4, T5, T6, T7, T8, T9, T10, T11, MODE: tl.constexpr):
     """Program (query block, row split) over rows [split * rows_per_split, ...) for BLOCK_Q queries.
 
     MODE 0 (top-k): the top-KT rows of each query, written to OUT_V / OUT_I [splits, KT, nq].
-    MODE 1 (filter): every row scoring at least THR[q] appended to OUT_V / OUT_I [nq, cap] at the query's
+    MODE 1 (filter): every row scoring at least THR[q * thr_stride] appended to OUT_V / OUT_I [nq, cap] at the query's
     count COUNT[q] (atomic, one per query column and round: a tile's hits leave one per column per round;
     rows past ``cap`` are counted, not written).
     MODE 2: only each query's maximum (to time the scan alone).
@@ -295,7 +295,7 @@ def _flat_scan_kernel(CODES, NORM, n, row_bytes, QP, qw, nq, QSCALE, MAG, OUT_V,
     stop = tl.minimum(start + rows_per_split, n)
     T = (T0, T1, T2, T3, T4, T5, T6, T7, T8, T9, T10, T11)
     if MODE == 1:
-        thr = tl.load(THR + qcols, mask=qmask, other=float("inf"))
+        thr = tl.load(THR + qcols * thr_stride, mask=qmask, other=float("inf"))
     for r0 in range(start, stop, BLOCK_N):
         rows = r0 + tl.arange(0, BLOCK_N)
         rows = tl.where(rows < stop, rows, n)  # past this split: masked like rows past the end
@@ -392,6 +392,30 @@ def _rescore_kernel(CODES, NORM, n, row_bytes, QP, qw, QROWS, QSCALE, MAG, CAND,
 
 
 @triton.jit
+def _planar_kernel(QS, m, dim, COORD, QP32, QP16, QSCALE, DP: tl.constexpr, PW: tl.constexpr, PWP: tl.constexpr,
+                   BLOCK_R: tl.constexpr):
+    """Rows of the queries QS float32 [m, dim] (contiguous) in planar order (COORD [PW]: each entry's
+    coordinate, ``dim`` where padded), divided by the least power of two not below the row's largest magnitude
+    (QSCALE [m]; 2^-99 for a zero row): QP32 float32 and QP16 float16 [m, PW]. :func:`planar_queries` is the
+    reference."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ok = r[:, None] < m
+    row = QS + r[:, None].to(tl.int64) * dim
+    d = tl.arange(0, DP)[None, :]
+    amax = tl.max(tl.abs(tl.load(row + d, mask=ok & (d < dim), other=0.0)), axis=1)
+    bits = tl.maximum(amax, 1e-30).to(tl.int32, bitcast=True)
+    scale = tl.where((bits & 0x7FFFFF) == 0, bits, (bits & 0x7F800000) + 0x800000).to(tl.float32, bitcast=True)
+    c = tl.arange(0, PWP)
+    coord = tl.load(COORD + c, mask=c < PW, other=dim)[None, :]
+    v = tl.load(row + coord, mask=ok & (coord < dim), other=0.0) / scale[:, None]
+    out = r[:, None].to(tl.int64) * PW + c[None, :]
+    keep = ok & (c[None, :] < PW)
+    tl.store(QP32 + out, v, mask=keep)
+    tl.store(QP16 + out, v.to(tl.float16), mask=keep)
+    tl.store(QSCALE + r, scale, mask=r < m)
+
+
+@triton.jit
 def _gather_rows_kernel(CODE_PTRS, NORM_PTRS, LISTS, ROWS, OUT_CODES, OUT_NORM, c, row_bytes,
                         NORM_F16: tl.constexpr, BLOCK_B: tl.constexpr):
     """Copy code row ROWS[i] of list LISTS[i] (and its scale) to OUT_CODES[i] / OUT_NORM[i]; i < c."""
@@ -415,11 +439,29 @@ def _gather_rows_kernel(CODE_PTRS, NORM_PTRS, LISTS, ROWS, OUT_CODES, OUT_NORM, 
 
 
 def planar_queries(qs: Tensor, layouts: list[RunLayout]) -> tuple[Tensor, Tensor]:
-    """Queries qs [m, dim] in planar order, float32 [m, plane_width], scaled per query by a power of two
-    (returned, float32 [m]) so that the largest coordinate is near 1."""
+    """Queries qs [m, dim] in planar order, float32 [m, plane_width], divided per query by the least power of
+    two not below its largest magnitude (returned, float32 [m]; 2^-99 for a zero query). The reference of
+    :func:`_planar_kernel`."""
     qs = qs.float()
-    scale = torch.exp2(torch.ceil(torch.log2(qs.abs().amax(1).clamp_min(1e-30))))  # a zero query: 2^-99
+    mant, exp = torch.frexp(qs.abs().amax(1).clamp_min(1e-30))  # amax = mant 2^exp, mant in [0.5, 1)
+    scale = torch.ldexp(torch.ones_like(mant), exp - (mant == 0.5).int())
     return to_planes(qs / scale[:, None], layouts).contiguous(), scale.contiguous()
+
+
+def planar_queries_triton(qs: Tensor, layouts: list[RunLayout]) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`planar_queries` in one launch, with the float16 copy the scan's MMAs read: (float32 [m, plane_width],
+    float16 [m, plane_width], scales float32 [m])."""
+    qs = qs.float().contiguous()
+    (m, dim), coords = qs.shape, coordinates_on(tuple(layouts), qs.shape[1], qs.device)
+    pw, dp = len(coords), next_power_of_2(dim)
+    qp32 = torch.empty(m, pw, device=qs.device)
+    qp16 = torch.empty(m, pw, dtype=torch.float16, device=qs.device)
+    scale = torch.empty(m, device=qs.device)
+    if m:
+        block = max(1, min(next_power_of_2(m), 4096 // max(dp, next_power_of_2(pw))))
+        _planar_kernel[(cdiv(m, block),)](qs, m, dim, coords, qp32, qp16, scale, DP=dp, PW=pw,
+                                          PWP=next_power_of_2(pw), BLOCK_R=block)
+    return qp32, qp16, scale
 
 
 def prmt_tables(mags: Tensor, layouts: list[RunLayout]) -> list[int]:
@@ -484,8 +526,7 @@ class TritonScorer(Scorer):
         super().__init__(encoder, qs, l2, bar)
         self.runs, self.mags, self.tables = encoder.derived(qs.device, "triton-scan",
                                                             lambda: _scan_tables(encoder, qs.device))
-        self.qp32, self.qscale = planar_queries(qs, [RunLayout(*r) for r in self.runs])
-        self.qp = self.qp32.half()  # the scan's MMA operand
+        self.qp32, self.qp, self.qscale = planar_queries_triton(qs, [RunLayout(*r) for r in self.runs])
         self.decode = default_decode(qs.device) if decode is None else decode
 
     def _common(self, m: int, mode: int) -> dict:
@@ -501,8 +542,9 @@ class TritonScorer(Scorer):
              threshold: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
         """The flat kernel over codes [n] for query rows ``rows`` (all when None) -> (approximate scores float32
         [m, c], their rows int32 [m, c] (score -inf: none), bool [m] or None). MODE_TOPK: each program's top
-        candidates; MODE_FILTER: the rows scoring at least ``threshold`` [m], and whether a query had more than
-        there was room for (overflow); MODE_MAX: each query's maximum only (to time the scan alone)."""
+        candidates; MODE_FILTER: the rows scoring at least ``threshold`` (float32 [m], any stride), and whether
+        a query had more than there was room for (overflow); MODE_MAX: each query's maximum only (to time the
+        scan alone)."""
         sel = slice(None) if rows is None else rows
         qp, qscale = self.qp[sel].contiguous(), self.qscale[sel].contiguous()
         n, m, kt = len(codes), len(qp), 1 if mode == MODE_MAX else candidate_depth(k)  # MODE_MAX: one row
@@ -518,7 +560,7 @@ class TritonScorer(Scorer):
             out_i = out_v  # not written
         elif mode == MODE_FILTER:
             cap = CAPACITY_FACTOR * kt * SAMPLE_FRACTION + CAPACITY_EXTRA
-            out_v = torch.empty(m, cap, device=qp.device)
+            out_v = torch.full((m, cap), float("-inf"), device=qp.device)  # -inf past each query's count
             out_i = torch.empty(m, cap, dtype=torch.int32, device=qp.device)
             count = torch.zeros(m, dtype=torch.int32, device=qp.device)
         else:
@@ -527,11 +569,11 @@ class TritonScorer(Scorer):
         qdata, norm = codes.qdata.contiguous(), codes.norm.contiguous()
         _flat_scan_kernel[(q_blocks, splits)](
             qdata, norm, n, qdata.shape[1], qp, qp.shape[1], m, qscale, self.mags, out_v, out_i, per_split,
-            qscale if threshold is None else threshold.float().contiguous(), qscale if count is None else count,
-            cap or 0, KT=kt, **common, **{f"T{i}": self.tables[i] for i in range(12)}, MODE=mode)
+            qscale if threshold is None else threshold, 1 if threshold is None else threshold.stride(0),
+            qscale if count is None else count, cap or 0, KT=kt, **common,
+            **{f"T{i}": self.tables[i] for i in range(12)}, MODE=mode)
         if mode == MODE_FILTER:
-            filled = torch.arange(cap, device=qp.device)[None, :] < count[:, None]
-            return out_v.masked_fill(~filled, float("-inf")), out_i, count > cap
+            return out_v, out_i, count > cap
         if mode == MODE_TILE_MAX:
             return out_v.T, out_i.T, None
         return out_v.permute(2, 0, 1).reshape(m, -1), out_i.permute(2, 0, 1).reshape(m, -1), None
@@ -575,9 +617,8 @@ class TritonScorer(Scorer):
         if not exact:  # the best candidate_depth(k) of each query, re-scored
             v, j = torch.topk(scores, min(candidate_depth(top.k), scores.shape[1]), dim=1, sorted=False)
             scores, rows_of = self.rescore(rows, codes, torch.where(v > float("-inf"), rows_of.gather(1, j), -1))
-        rows_of = rows_of.long()
-        if isinstance(labels, int):
-            lab = torch.where(rows_of >= 0, rows_of + labels, -1)
+        if isinstance(labels, int):  # rows_of: int64, -1 for none
+            lab = torch.where(rows_of >= 0, rows_of + labels, -1) if labels else rows_of
         else:
             lab = torch.where(rows_of >= 0, labels.to(rows_of.device)[rows_of.clamp_min(0)], -1)
         if offset is not None:
@@ -588,10 +629,10 @@ class TritonScorer(Scorer):
     def rescore(self, qrows: Tensor | None, codes: Codes, cand: Tensor, span: int = 1) -> tuple[Tensor, Tensor]:
         """Exact float32 scores (the encoder's decode, up to summation order) of candidates cand [m, c] for
         query rows ``qrows`` [m] (all when None): rows of ``codes`` (span 1) or tiles of ``span`` rows, -1 for
-        none -> (scores [m, c * span], -inf where none or past the end; rows int32 [m, c * span], -1 there)."""
+        none -> (scores [m, c * span], -inf where none or past the end; rows int64 [m, c * span], -1 there)."""
         m, width = cand.shape[0], cand.shape[1] * span
         out_v = torch.empty(m, width, device=cand.device)
-        out_i = torch.empty(m, width, dtype=torch.int32, device=cand.device)
+        out_i = torch.empty(m, width, dtype=torch.int64, device=cand.device)
         if m and width:
             qdata, norm = codes.qdata.contiguous(), codes.norm.contiguous()
             _rescore_kernel[(m, cdiv(width, RESCORE_BLOCK))](
