@@ -258,7 +258,7 @@ class BaseIndex(ABC):
         show = self._shows_progress(work, progress)
         depth = k * self.rerank_factor if self.keep_vectors else k
         l2 = self.metric == "l2"
-        top = make_topk(len(qt), depth, self.device)
+        top = make_topk(len(qt), depth, self.device, self.backend)
         with tqdm(total=work, unit="score", unit_scale=True, desc="search", disable=not show) as bar:
             if len(qt) and state.ntotal:
                 qr = self.encoder.rotate(qt)  # [nq, dim]

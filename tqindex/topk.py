@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from . import kernels
+
 
 class TopK:
     """The k largest scores per query row and their labels."""
@@ -37,9 +39,22 @@ class TopK:
         raise NotImplementedError
 
 
-def make_topk(nq: int, k: int, device: torch.device) -> TopK:
-    """A running top-k for ``nq`` rows on ``device`` (faiss heaps on the CPU)."""
-    return HeapTopK(nq, k) if device.type == "cpu" else TensorTopK(nq, k, device)
+def make_topk(nq: int, k: int, device: torch.device, backend: str | None = None) -> TopK:
+    """A running top-k for ``nq`` rows on ``device`` (faiss heaps on the CPU); ``backend``: of its
+    selections (:func:`top_columns`)."""
+    return HeapTopK(nq, k) if device.type == "cpu" else TensorTopK(nq, k, device, backend)
+
+
+def top_columns(x: Tensor, k: int, backend: str | None = None) -> tuple[Tensor, Tensor]:
+    """The k largest entries of each row of x float32 [m, n] (k <= n, no NaN), best first -> (values [m, k],
+    columns int64 [m, k]): ``torch.topk``, or for short rows of CUDA tensors and small k the Triton kernel
+    (``kernels/topk_triton.py``; ``backend`` as in ``kernels.select``)."""
+    if x.is_cuda and kernels.select(x, backend, ("triton",), "a top-k") == "triton":
+        from .kernels.topk_triton import fits, top_columns_triton  # imports triton
+
+        if fits(x, k):
+            return top_columns_triton(x, k)
+    return torch.topk(x, k, dim=1)
 
 
 class HeapTopK(TopK):
@@ -93,11 +108,11 @@ class HeapTopK(TopK):
 
 class TensorTopK(TopK):
     """Top-k kept as tensors on any device, each row sorted best first; a merge takes the top k of the
-    current rows and the candidates together (``torch.topk``). Nothing is allocated before the first merge,
+    current rows and the candidates together (:func:`top_columns`). Nothing is allocated before the first merge,
     and a first merge of every row needs no concatenation (fewer kernels for a search that merges once)."""
 
-    def __init__(self, nq: int, k: int, device: torch.device | str) -> None:
-        self.k, self.nq, self.device = k, nq, torch.device(device)
+    def __init__(self, nq: int, k: int, device: torch.device | str, backend: str | None = None) -> None:
+        self.k, self.nq, self.device, self.backend = k, nq, torch.device(device), backend
         self.values: Tensor | None = None  # [nq, k] once merged into
         self.labels: Tensor | None = None
 
@@ -109,13 +124,13 @@ class TensorTopK(TopK):
     def merge(self, values: Tensor, labels: Tensor, rows: Tensor | None = None) -> None:
         values = values.float().masked_fill(labels < 0, -math.inf)
         if self.values is None and rows is None and values.shape[1] >= self.k:
-            v, j = torch.topk(values, self.k, dim=1)
+            v, j = top_columns(values, self.k, self.backend)
             lab = labels.gather(1, j)
         else:
             self._start()
             old_v = self.values if rows is None else self.values[rows]
             old_l = self.labels if rows is None else self.labels[rows]
-            v, j = torch.topk(torch.cat([old_v, values], 1), self.k, dim=1)
+            v, j = top_columns(torch.cat([old_v, values], 1), self.k, self.backend)
             lab = torch.cat([old_l, labels], 1).gather(1, j)
         lab = lab.masked_fill(v == -math.inf, -1)
         if rows is None:

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from ..codes import Codes
 from ..scorer import CodeRunList, Scorer
-from ..topk import TopK
+from ..topk import TopK, top_columns
 from . import multiprocessors
 from .graphs import any_true
 from .planes import RunLayout, cdiv, coordinates_on, next_power_of_2, run_layouts, to_planes
@@ -591,9 +591,9 @@ class TritonScorer(Scorer):
             return *self.scan(codes, k, rows)[:2], False
         if m <= TILE_QUERIES and m * kt * block_n <= sample:
             maxima, _, _ = self.scan(codes, k, rows, MODE_TILE_MAX)  # [m, tiles]
-            return *self.rescore(rows, codes, torch.topk(maxima, kt, dim=1, sorted=False).indices, block_n), True
+            return *self.rescore(rows, codes, top_columns(maxima, kt, "triton")[1], block_n), True
         maxima, _, _ = self.scan(codes[:sample], k, rows, MODE_TILE_MAX)  # [m, tiles]
-        bound = torch.topk(maxima, kt, dim=1).values[:, -1]  # kt distinct rows reach it: <= the final kt-th best
+        bound = top_columns(maxima, kt, "triton")[0][:, -1]  # kt distinct rows reach it: <= the final kt-th best
         vals, cand, overflow = self.scan(codes, k, rows, MODE_FILTER, bound)
         if any_true(overflow):  # rare: more rows reach the bound than there is room for
             over = torch.nonzero(overflow).squeeze(1)
@@ -615,7 +615,7 @@ class TritonScorer(Scorer):
             return
         scores, rows_of, exact = self.candidates(codes, top.k, rows)
         if not exact:  # the best candidate_depth(k) of each query, re-scored
-            v, j = torch.topk(scores, min(candidate_depth(top.k), scores.shape[1]), dim=1, sorted=False)
+            v, j = top_columns(scores, min(candidate_depth(top.k), scores.shape[1]), "triton")
             scores, rows_of = self.rescore(rows, codes, torch.where(v > float("-inf"), rows_of.gather(1, j), -1))
         if isinstance(labels, int):  # rows_of: int64, -1 for none
             lab = torch.where(rows_of >= 0, rows_of + labels, -1) if labels else rows_of
@@ -686,7 +686,7 @@ class TritonScorer(Scorer):
         vals = out_v[slot].reshape(m, nprobe * kt)
         rows = out_i[slot].reshape(m, nprobe * kt).long()
         lst = probes[:, :, None].expand(m, nprobe, kt).reshape(m, -1)
-        v, j = torch.topk(vals, min(kt, vals.shape[1]), dim=1, sorted=False)
+        v, j = top_columns(vals, min(kt, vals.shape[1]), "triton")
         rows, lst = rows.gather(1, j), lst.gather(1, j)
         valid = v > float("-inf")
         codes = table.gather(lst.reshape(-1), rows.clamp_min(0).reshape(-1))

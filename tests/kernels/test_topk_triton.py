@@ -1,0 +1,41 @@
+"""The Triton top-k of short rows against torch.topk."""
+
+import pytest
+import torch
+
+from devices import DEVICE, needs_triton
+
+pytestmark = needs_triton
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 1, 1), (3, 127, 10), (2, 129, 32), (1, 4097, 17), (5, 8192, 32)])
+def test_top_columns_equal_torch_topk(m, n, k):
+    """Values equal torch.topk's; columns hold those values and are distinct; ties (repeated values, -inf, +-0)
+    come earlier column first."""
+    from tqindex.kernels.topk_triton import top_columns_triton
+
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(m, n, generator=g)
+    x[:, ::3] = torch.round(x[:, ::3])  # many equal values
+    x[0, : n // 2] = float("-inf")
+    if n > 2:
+        x[-1, 1], x[-1, 2] = 0.0, -0.0
+    x = x.to(DEVICE)
+    v, c = top_columns_triton(x, k)
+    ref = torch.topk(x, k, dim=1).values
+    assert torch.equal(v, ref) and c.dtype == torch.int64
+    assert torch.equal(x.gather(1, c), v)
+    assert all(len(set(r.tolist())) == k for r in c)
+    ties = (v[:, 1:] == v[:, :-1]) & (v[:, 1:] > float("-inf"))
+    assert (c[:, 1:] > c[:, :-1])[ties].all()
+
+
+def test_strided_rows_and_bad_k():
+    from tqindex.kernels.topk_triton import SMALL_K, top_columns_triton
+
+    x = torch.randn(8, 300, device=DEVICE)
+    v, c = top_columns_triton(x[::2, 10:], 5)
+    assert torch.equal(v, torch.topk(x[::2, 10:], 5, dim=1).values)
+    for k in (0, 291, SMALL_K + 1):
+        with pytest.raises(ValueError, match="top_columns_triton takes"):
+            top_columns_triton(x[:, 10:], k)

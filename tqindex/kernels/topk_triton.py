@@ -1,0 +1,72 @@
+"""The k largest entries of short rows on GPUs (Triton): one program per row, the row held in registers, the
+maximum extracted k times.
+
+``torch.topk`` on a CUDA row of a few thousand entries costs about 20 µs whatever k is (a radix selection of
+several passes, each a block-wide histogram); the few-query searches of a GPU index make several such calls. A
+row of at most SMALL_COLUMNS entries fits one program's registers, and k <= SMALL_K extractions of its
+maximum (one reduction each) take a few microseconds. The reference is ``torch.topk(x, k, dim=1)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .planes import next_power_of_2
+
+SMALL_COLUMNS = 8192
+"""Longest rows the kernel takes (held in one program's registers)."""
+SMALL_K = 32
+"""Largest k it takes (each of the k extractions is one reduction over the row)."""
+LOWEST = -(2**31)
+"""The key of entries past the row's end and of entries already taken: below every float's key."""
+
+
+@triton.jit
+def _top_columns_kernel(X, n, x_stride, k, OUT_V, OUT_I, BLOCK: tl.constexpr, KP: tl.constexpr):
+    """Program per row: the k largest of X[row, :n] (float32, no NaN), best first (of equal values the earlier
+    column), to OUT_V float32 / OUT_I int64 [rows, k]. Floats are compared as int32 keys that keep their order
+    (negative floats' magnitude bits flipped), so taken entries can be set below every value, -inf included."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    bits = tl.load(X + row * x_stride + c, mask=c < n, other=0.0).to(tl.int32, bitcast=True)
+    key = tl.where(c < n, bits ^ ((bits >> 31) & 0x7FFFFFFF), LOWEST)
+    slot = tl.arange(0, KP)
+    top_key = tl.zeros((KP,), tl.int32)
+    top_col = tl.zeros((KP,), tl.int32)
+    for i in range(k):
+        best, at = tl.max(key, 0, return_indices=True)  # the first column of equal maxima
+        top_key = tl.where(slot == i, best, top_key)
+        top_col = tl.where(slot == i, at, top_col)
+        key = tl.where(c == at, LOWEST, key)
+    out = row * k + slot
+    bits = top_key ^ ((top_key >> 31) & 0x7FFFFFFF)
+    tl.store(OUT_V + out, bits.to(tl.float32, bitcast=True), mask=slot < k)
+    tl.store(OUT_I + out, top_col.to(tl.int64), mask=slot < k)
+
+
+def fits(x: Tensor, k: int) -> bool:
+    """Whether :func:`top_columns_triton` takes the k largest of rows x [m, n]."""
+    return x.dim() == 2 and x.shape[1] <= SMALL_COLUMNS and k <= SMALL_K
+
+
+def top_columns_triton(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The k largest entries of each row of x float32 [m, n] (1 <= k <= min(n, SMALL_K), n <= SMALL_COLUMNS,
+    no NaN), best first, of equal values the earlier column first -> (values float32 [m, k], columns int64
+    [m, k]). One launch; ``torch.topk(x, k, dim=1)`` is the reference."""
+    if not (fits(x, k) and 1 <= k <= x.shape[1]):
+        raise ValueError(f"top_columns_triton takes 1 <= k <= n <= {SMALL_COLUMNS} and k <= {SMALL_K}, got "
+                         f"k = {k} of rows of {x.shape[-1]}")
+    x = x.float()
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m, n = x.shape
+    values = torch.empty(m, k, device=x.device)
+    columns = torch.empty(m, k, dtype=torch.int64, device=x.device)
+    if m:
+        block = next_power_of_2(n)
+        _top_columns_kernel[(m,)](x, n, x.stride(0), k, values, columns, BLOCK=block, KP=next_power_of_2(k),
+                                  num_warps=8 if block >= 4096 else 4)
+    return values, columns
