@@ -20,7 +20,7 @@ SMALL_COLUMNS = 8192
 """Longest rows the kernel takes (held in one program's registers)."""
 SMALL_K = 32
 """Largest k it takes (each of the k extractions is one reduction over the row)."""
-LOWEST = -(2**31)
+LOWEST = tl.constexpr(-(2**31))
 """The key of entries past the row's end and of entries already taken: below every float's key."""
 
 
