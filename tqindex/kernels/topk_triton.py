@@ -4,7 +4,9 @@ maximum extracted k times.
 ``torch.topk`` on a CUDA row of a few thousand entries costs about 20 µs whatever k is (a radix selection of
 several passes, each a block-wide histogram); the few-query searches of a GPU index make several such calls. A
 row of at most SMALL_COLUMNS entries fits one program's registers, and k <= SMALL_K extractions of its
-maximum (one reduction each) take a few microseconds. The reference is ``torch.topk(x, k, dim=1)``.
+maximum (one reduction each) take less: on an H200, the two selections of a one-query search of 390k rows
+(k = 32 of 1,524 tile maxima, k = 10 of 8,192 scores) took 19 µs together against 42 µs by ``torch.topk``
+(eager profiles). The reference is ``torch.topk(x, k, dim=1)``.
 """
 
 from __future__ import annotations
