@@ -157,15 +157,21 @@ def e2m1_decode(codes: Tensor) -> Tensor:
 def ue8m0_exponent(absmax: Tensor, scale_constant: float, rounding: str = "ceil") -> Tensor:
     """Power-of-two exponent E (int32) for groups with absolute maximum ``absmax`` (float).
 
-    ``E = rounding(log2(scale_constant · absmax))``, clamped to the UE8M0 range [-127, 127]; an all-zero
-    group gets E = -127.
+    ``E = rounding(log2(scale_constant · absmax))``, clamped to the UE8M0 range [-127, 127], computed exactly from
+    the float64 product's exponent and mantissa (no logarithm); an all-zero group gets E = -127.
     """
     if rounding not in SCALE_ROUNDINGS:
         raise ValueError(f"scale_rounding must be one of {SCALE_ROUNDINGS}, got {rounding!r}")
-    with torch.no_grad():
-        lg = torch.log2(absmax.double() * scale_constant)
-    e = {"round": torch.round, "ceil": torch.ceil, "floor": torch.floor}[rounding](lg)
-    e = torch.nan_to_num(e, nan=-UE8M0_BIAS, neginf=-UE8M0_BIAS, posinf=UE8M0_BIAS)
+    v = absmax.double() * scale_constant
+    mant, e = torch.frexp(v)  # v = mant 2^e, mant in [0.5, 1): log2(v) in [e - 1, e), exactly e - 1 at mant 0.5
+    if rounding == "ceil":
+        e = e - (mant == 0.5).int()
+    elif rounding == "floor":
+        e = e - 1
+    else:  # round(log2 v): up where 2 mant >= sqrt(2) (log2 v is never exactly e - 1/2)
+        e = e - 1 + (2 * mant >= math.sqrt(2)).int()
+    e = torch.where(v > 0, e, -UE8M0_BIAS)
+    e = torch.where(torch.isinf(v), UE8M0_BIAS, torch.where(torch.isnan(v), -UE8M0_BIAS, e))
     return e.clamp(-UE8M0_BIAS, UE8M0_BIAS).to(torch.int32)
 
 
