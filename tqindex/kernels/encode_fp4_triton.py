@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .attention_triton import _pow2
 from .planes import cdiv, next_power_of_2
 
 ROUNDINGS = {"round": 0, "ceil": 1, "floor": 2}
@@ -24,12 +25,6 @@ BLOCK_ELEMENTS = 4096
 """Row elements per program."""
 SQRT_HALF_MANTISSA = tl.constexpr(0x6A09E667F3BCD)
 """The 52 mantissa bits of sqrt(2) in float64: 1.m >= sqrt(2) rounds log2 up."""
-
-
-@triton.jit
-def _pow2(k):
-    """2^k as float32 for int32 k in [-126, 127] (exact)."""
-    return ((k + 127) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
