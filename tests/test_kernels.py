@@ -40,10 +40,14 @@ def test_an_explicit_backend_that_cannot_run_raises(monkeypatch):
     with pytest.raises(ValueError, match="no kernel"):
         kernels.select(CPU, "native", (), "FP4 encoding")
     with pytest.raises(ValueError, match="backend must be one of"):
-        kernels.select(CPU, "cuda")
+        kernels.select(CPU, "gpu")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="cannot run"):
         kernels.select(CPU, "triton", ("triton",))  # CPU tensors need the interpreter
+    with pytest.raises(ValueError, match="backend 'cuda' cannot run"):
+        kernels.select(CPU, "cuda", ("triton", "cuda"))
+    with pytest.raises(ValueError, match="backend 'triton' cannot run"):
+        kernels.select(CPU, "cuda", ("triton",))  # no CUDA C++ kernel: its Triton one
     monkeypatch.setattr(native, "available", lambda: False)
     with pytest.raises(ValueError, match="cannot run"):
         kernels.select(CPU, "native", ("native",))

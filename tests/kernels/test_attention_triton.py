@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import tqindex as tq
-from devices import DEVICE, needs_triton
+from devices import DEVICE, needs_cuda, needs_triton
 from tqindex.kv.attention import compressed_attention_ref
 from tqindex.kv.store import KVStore
 
@@ -28,9 +28,9 @@ def stores(kenc: str, venc: str, b: int, hkv: int, d: int, past: int, window: in
 
 
 def check(kenc, venc, b, hq, hkv, d, past, window, nq, mask=None, softcap=None, causal=True, decode=None,
-          strided=True, one_pass=None):
+          strided=True, one_pass=None, cuda=False):
     """The kernel against the reference; ``strided``: q [B, Hq, Q, D] a transposed view of [B, Q, Hq, D], as
-    attention layers pass it (else contiguous)."""
+    attention layers pass it (else contiguous); ``cuda``: the compressed splits by the CUDA C++ kernel."""
     from tqindex.kernels.attention_triton import compressed_attention_triton
 
     store = stores(kenc, venc, b, hkv, d, past, window, seed=past + window + hq)
@@ -41,7 +41,7 @@ def check(kenc, venc, b, hq, hkv, d, past, window, nq, mask=None, softcap=None, 
     scaling = d ** -0.5
     ref = compressed_attention_ref(q.float(), keys, values, mask, scaling, softcap=softcap, causal=causal)
     out = compressed_attention_triton(q, keys, values, mask, scaling, softcap=softcap, causal=causal, decode=decode,
-                                      one_pass=one_pass)
+                                      one_pass=one_pass, cuda=cuda)
     assert out.dtype == q.dtype and out.shape == ref.shape
     err = (out.float() - ref).norm() / ref.norm()
     assert err < 2e-3, float(err)
@@ -51,6 +51,21 @@ def check(kenc, venc, b, hq, hkv, d, past, window, nq, mask=None, softcap=None, 
 @pytest.mark.parametrize("hq, hkv", [(4, 4), (3, 1), (8, 2), (16, 2)])  # G = 1, 3, 4, 8
 def test_decode_step(past, hq, hkv):
     check("tq4", "tq4", 2, hq, hkv, 64, past, 5, 1)
+
+
+@needs_cuda
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("past", [1, 127, 129, 3017])
+@pytest.mark.parametrize("hq, hkv, nq", [(4, 4, 1), (3, 1, 1), (8, 2, 1), (16, 2, 1), (32, 8, 1), (24, 2, 1),
+                                         (8, 2, 3)])  # G = 1, 3, 4, 8, 4, 12 (two row blocks); 3 queries
+def test_cuda_decode_step(d, past, hq, hkv, nq):
+    """The CUDA C++ kernel's compressed splits with the Triton window splits and merge, against the reference."""
+    from tqindex.kernels import attention_cuda
+
+    assert attention_cuda.reads(tq.make_encoder("tq4-unbiased", d), tq.make_encoder("tq4", d))
+    check("tq4-unbiased", "tq4", 2, hq, hkv, d, past, 5, nq, cuda=True)
+    if past == 3017:
+        check("tq4", "tq4", 1, hq, hkv, d, past, 0, 1, cuda=True)  # no window: no Triton attention launch
 
 
 @pytest.mark.parametrize("kenc, venc, d", [("tq4", "tq4", 128), ("tq3", "tq4", 64), ("tq8", "tq4", 64),
@@ -196,14 +211,15 @@ def test_sink_tokens_with_a_padding_mask():
         assert ((out.float() - ref).norm() / ref.norm()) < 2e-3
 
 
+@pytest.mark.parametrize("venc", ["tq3", "tq4"])
 @pytest.mark.parametrize("hq, hkv, past", [(3, 1, 129), (8, 2, 1), (4, 4, 3017)])
-def test_decode_step_reads_lengths_on_the_device(hq, hkv, past):
+def test_decode_step_reads_lengths_on_the_device(hq, hkv, past, venc):
     """A static store's buffers (capacity beyond the valid tokens, filled with NaN there): the kernel reads the
     valid lengths on the device and matches the reference over the valid tokens."""
     from tqindex.kv.attention import compressed_attention
 
     g = torch.Generator().manual_seed(past)
-    store = KVStore(tq.make_encoder("tq4", 64), tq.make_encoder("tq3", 64), residual_length=6, encode_stride=4)
+    store = KVStore(tq.make_encoder("tq4", 64), tq.make_encoder(venc, 64), residual_length=6, encode_stride=4)
     store.append(*(torch.randn(2, hkv, past + 6, 64, generator=g).to(DEVICE) for _ in range(2)))
     store.make_static(headroom=70)
     for _ in range(2):
@@ -216,5 +232,6 @@ def test_decode_step_reads_lengths_on_the_device(hq, hkv, past):
         side.codes.norm[:, :, tc:] = float("nan")
     q = torch.randn(2, hq, 1, 64, generator=g).to(DEVICE).half()
     ref = compressed_attention_ref(q.float(), keys, values, None, 0.125)
-    out = compressed_attention(q, keys, values, None, 0.125, backend="triton")
-    assert float((out.float() - ref).norm() / ref.norm()) < 2e-3
+    for backend in ("triton", "cuda") if DEVICE.type == "cuda" else ("triton",):
+        out = compressed_attention(q, keys, values, None, 0.125, backend=backend)
+        assert float((out.float() - ref).norm() / ref.norm()) < 2e-3

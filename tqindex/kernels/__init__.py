@@ -7,8 +7,10 @@ Backends:
   is present and loaded through ctypes (:mod:`.native`).
 - ``"triton"``: Triton kernels (CUDA tensors; with ``TRITON_INTERPRET=1`` also CPU tensors, slowly, for
   tests and machines without a GPU).
-- ``"auto"``: Triton for CUDA tensors, native for CPU tensors, torch otherwise or where the faster
-  backend has no kernel for the operation.
+- ``"cuda"``: CUDA C++ kernels built at first use by ``torch.utils.cpp_extension`` (nvcc; today the decode
+  attention over 4-bit direction codes, :mod:`.attention_cuda`); operations without one run their Triton kernel.
+- ``"auto"``: for CUDA tensors the CUDA C++ kernel where there is one and it builds, else Triton; native for
+  CPU tensors; torch otherwise or where the faster backend has no kernel for the operation.
 
 :func:`select` makes the choice: an explicit ``backend=`` argument (encoders, indexes, caches), else the
 ``TQINDEX_BACKEND`` environment variable, else ``"auto"``. An explicit backend that cannot run the
@@ -25,7 +27,7 @@ import torch
 
 from . import native
 
-BACKENDS = ("auto", "torch", "native", "triton")
+BACKENDS = ("auto", "torch", "native", "triton", "cuda")
 ENV_VAR = "TQINDEX_BACKEND"
 
 
@@ -75,21 +77,30 @@ def can_run(backend: str, device: torch.device) -> bool:
         return device.type == "cpu" and native.available()
     if backend == "triton":
         return triton_importable() and (device.type == "cuda" or (device.type == "cpu" and triton_interpreted()))
+    if backend == "cuda":
+        from . import attention_cuda
+
+        return device.type == "cuda" and triton_importable() and attention_cuda.available()
     return False
 
 
 def select(tensor: torch.Tensor, backend: str | None = None, kernels: tuple[str, ...] = ("native", "triton"),
            what: str = "this operation") -> str:
-    """The backend that runs ``what`` on ``tensor``: "torch", "native" or "triton".
+    """The backend that runs ``what`` on ``tensor``: "torch", "native", "triton" or "cuda".
 
     ``backend`` (or ``$TQINDEX_BACKEND``) as in the module notes; ``kernels``: the compiled backends
-    that implement ``what`` (torch always does). An explicit backend that is not among them, or cannot
-    run on the tensor's device here, raises ValueError; "auto" picks Triton for CUDA tensors and native
-    for CPU tensors where available, else torch.
+    that implement ``what`` (torch always does). "cuda" asked of an operation without a CUDA C++ kernel
+    asks for its Triton one. An explicit backend that is not among them, or cannot run on the tensor's
+    device here, raises ValueError; "auto" picks the CUDA C++ kernel, else Triton, for CUDA tensors and
+    native for CPU tensors where available, else torch.
     """
     asked = requested(backend)
     device = tensor.device
+    if asked == "cuda" and "cuda" not in kernels:
+        asked = "triton"
     if asked == "auto":
+        if device.type == "cuda" and "cuda" in kernels and can_run("cuda", device):
+            return "cuda"
         if device.type == "cuda" and "triton" in kernels and can_run("triton", device):
             return "triton"
         if device.type == "cpu" and "native" in kernels and can_run("native", device):
@@ -99,6 +110,7 @@ def select(tensor: torch.Tensor, backend: str | None = None, kernels: tuple[str,
         raise ValueError(f"backend {asked!r} has no kernel for {what}; it runs on {('torch',) + kernels}")
     if not can_run(asked, device):
         why = {"native": "the compiled CPU kernels are not built or the tensors are not on the CPU",
-               "triton": "triton is not installed, or the tensors are on the CPU without TRITON_INTERPRET=1"}
+               "triton": "triton is not installed, or the tensors are on the CPU without TRITON_INTERPRET=1",
+               "cuda": "the tensors are not on a CUDA device, or triton, nvcc or the kernel's build is missing"}
         raise ValueError(f"backend {asked!r} cannot run {what} on {device} tensors here: {why[asked]}")
     return asked

@@ -315,11 +315,12 @@ def _store_result(acc, total, RES, bh, r, ok, hkv, hq, rows, nq, D: tl.constexpr
     tl.store(RES + at[:, None] + d[None, :], res.to(RES.dtype.element_ty), mask=ok[:, None] & (d[None, :] < D))
 
 
-@triton.jit(do_not_specialize=("tc", "tw", "splits_c", "tokens_per_split"))  # no recompiles as they grow
+@triton.jit(do_not_specialize=("tc", "tw", "splits_c", "nsplit", "first_split", "tokens_per_split"))  # no recompiles
 def _attention_kernel(
     QP, QSC, Q, KC, KN, VC, VN, KW, VW, MASK, OUT, M_OUT, L_OUT, MV, RES, LENGTHS,
     hkv, hq, rows, nq, tc, tw, q_sb, q_sh, q_sq, mask_sb, mask_sq, mask_st, kbytes, vbytes, kc_stride, vc_stride,
-    kn_stride, vn_stride, kw_stride, vw_stride, kw_tstride, vw_tstride, splits_c, tokens_per_split, scaling, softcap,
+    kn_stride, vn_stride, kw_stride, vw_stride, kw_tstride, vw_tstride, splits_c, nsplit, first_split,
+    tokens_per_split, scaling, softcap,
     KMAG, VMAG, KT0, KT1, KT2, KT3, VT0, VT1, VT2, VT3,
     KR: tl.constexpr, VR: tl.constexpr, KFP4: tl.constexpr, VFP4: tl.constexpr, KG: tl.constexpr, KGP: tl.constexpr,
     VG: tl.constexpr, VGP: tl.constexpr, PWK: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
@@ -327,9 +328,10 @@ def _attention_kernel(
     ONE_PASS: tl.constexpr, PRECISION: tl.constexpr, DEVICE_LENGTHS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Program (batch row x KV head ``bh``, row block, split). ONE_PASS (one split): the attention of its query
-    rows over every token, the compressed part's sum rotated back by MV float32 [DP, DP] (the value rotation's
-    inverse, zero padded) before the window's is added, written to RES [B, Q, Hq, D]. Else the partial
+    """Program (batch row x KV head ``bh``, row block, split first_split + its third index, of nsplit). ONE_PASS
+    (one split): the attention of its query rows over every token, the compressed part's sum rotated back by
+    MV float32 [DP, DP] (the value rotation's inverse, zero padded) before the window's is added, written to
+    RES [B, Q, Hq, D]. Else the partial
     softmax over the split's tokens (splits < splits_c: compressed tokens; the others: window tokens), written
     to OUT [bh, split, rows, DP] (compressed: the value encoder's rotated domain; window: plain), M_OUT /
     L_OUT [bh, split, rows]. Side data KN / VN: the norms [bh, tokens] of direction codes, or (KFP4 / VFP4)
@@ -339,8 +341,7 @@ def _attention_kernel(
     if DEVICE_LENGTHS:
         tc = tl.load(LENGTHS).to(tl.int32)
         tw = tl.load(LENGTHS + 1).to(tl.int32)
-    bh, mb, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    nsplit = tl.num_programs(2)
+    bh, mb, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2) + first_split
     b = bh // hkv
     bh64 = bh.to(tl.int64)
     r = mb * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -458,7 +459,8 @@ def mask_layout(mask: Tensor | None, b: int, nq: int, total: int) -> tuple[Tenso
 
 def compressed_attention_triton(q: Tensor, keys: Any, values: Any, mask: Tensor | None, scaling: float,
                                 softcap: float | None = None, causal: bool = True, decode: int | None = None,
-                                one_pass: bool | None = None, lengths: Tensor | None = None) -> Tensor:
+                                one_pass: bool | None = None, lengths: Tensor | None = None, cuda: bool = False
+                                ) -> Tensor:
     """:func:`tqindex.kv.attention.compressed_attention` by the kernels of the module notes: the queries'
     rotation into planar order, then the split-K attention and its merge, or one pass. q [B, Hq, Q, D] (any
     strides); keys / values CompressedTokens [B, Hkv, T, D] whose codes the kernels read (``attention_reads``);
@@ -467,7 +469,9 @@ def compressed_attention_triton(q: Tensor, keys: Any, values: Any, mask: Tensor 
     program takes all tokens of its rows (module notes; default: where the row blocks alone fill the card).
     ``lengths``: int64 [2] on q's device, the valid codes and window tokens, read by the kernel (the codes and
     the window are then buffers of that capacity and ``mask`` is None): the launches depend on the capacities
-    only, so that a CUDA graph replays them as the buffers fill."""
+    only, so that a CUDA graph replays them as the buffers fill. ``cuda``: the compressed splits of a split-K
+    step with no mask and no soft cap are computed by the CUDA C++ kernel (:mod:`.attention_cuda`, whose
+    ``reads`` the caller checked), the window's splits by the Triton kernel."""
     bsz, hq, nq, dim = q.shape
     hkv, tc, tw = keys.shape[1], keys.codes.shape[2], keys.window.shape[2]
     rows, device = (hq // hkv) * nq, q.device
@@ -508,17 +512,24 @@ def compressed_attention_triton(q: Tensor, keys: Any, values: Any, mask: Tensor 
     kw, vw = keys.window.contiguous(), values.window.contiguous()
     mask_t, (msb, msq, mst), mask_kind = mask_layout(mask, bsz, nq, tc + tw)
     dec = default_decode(device) if decode is None else decode
-    _attention_kernel[(bsz * hkv, row_blocks, splits)](
-        qp, qsc, q, kq, kn, vq, vn, kw, vw, qsc if mask_t is None else mask_t, out, m, l_, mv, res,
-        qsc if lengths is None else lengths, hkv, hq, rows,
-        nq, tc, tw, q.stride(0), q.stride(1), q.stride(2), msb, msq, mst, kq.shape[-1], vq.shape[-1], kq.stride(1),
-        vq.stride(1), kn.stride(1), vn.stride(1), kw.stride(1), vw.stride(1), kw.stride(2), vw.stride(2), splits_c,
-        per, scaling, softcap or 1.0, kmag, vmag, *kt, *vt,
-        KR=kr, VR=vr, KFP4=kfp4, VFP4=vfp4, KG=kg, KGP=next_power_of_2(kg), VG=vg, VGP=next_power_of_2(vg), PWK=pw,
-        D=dim, DP=dp, MASK_KIND=mask_kind, SOFTCAP=softcap is not None, CAUSAL=causal and mask is None,
-        DECODE=dec, ONE_PASS=one_pass, PRECISION=precision, DEVICE_LENGTHS=lengths is not None, BLOCK_M=block_m,
-        BLOCK_N=BLOCK_N,
-        num_warps=8 if block_m > 16 or kr[0] == 8 else DECODE_WARPS, num_stages=NUM_STAGES)
+    first = splits_c if cuda and not one_pass and mask_t is None and softcap is None else 0
+    if first:
+        from . import attention_cuda
+
+        attention_cuda.compressed_splits(qp, qsc, keys, values, out, m, l_, lengths, rows, splits_c, per, scaling,
+                                         kr, kt, vt)
+    if splits > first:
+        _attention_kernel[(bsz * hkv, row_blocks, splits - first)](
+            qp, qsc, q, kq, kn, vq, vn, kw, vw, qsc if mask_t is None else mask_t, out, m, l_, mv, res,
+            qsc if lengths is None else lengths, hkv, hq, rows, nq, tc, tw, q.stride(0), q.stride(1), q.stride(2), msb,
+            msq, mst, kq.shape[-1], vq.shape[-1], kq.stride(1), vq.stride(1), kn.stride(1), vn.stride(1), kw.stride(1),
+            vw.stride(1), kw.stride(2), vw.stride(2), splits_c, splits, first, per, scaling, softcap or 1.0, kmag,
+            vmag, *kt, *vt,
+            KR=kr, VR=vr, KFP4=kfp4, VFP4=vfp4, KG=kg, KGP=next_power_of_2(kg), VG=vg, VGP=next_power_of_2(vg),
+            PWK=pw, D=dim, DP=dp, MASK_KIND=mask_kind, SOFTCAP=softcap is not None, CAUSAL=causal and mask is None,
+            DECODE=dec, ONE_PASS=one_pass, PRECISION=precision, DEVICE_LENGTHS=lengths is not None,
+            BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+            num_warps=8 if block_m > 16 or kr[0] == 8 else DECODE_WARPS, num_stages=NUM_STAGES)
     if not one_pass:
         _merge_kernel[(bsz * hkv, cdiv(rows, MERGE_ROWS))](
             out, m, l_, mv, res, hkv, hq, rows, nq, splits, splits_c, D=dim, DP=dp, BLOCK_R=MERGE_ROWS,

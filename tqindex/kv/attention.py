@@ -28,6 +28,7 @@ from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
 from .. import kernels
+from ..kernels import attention_cuda
 from ..kernels.planes import attention_reads
 from .store import CompressedTokens
 
@@ -72,7 +73,7 @@ def compressed_attention(
     prefill = (mask is None and causal and softcap is None and keys.lengths is None and q.shape[2] >= PREFILL_QUERIES
                and (q.device.type == "cpu" or (q.is_cuda and q.dtype in _HALF)))
     fused = _fused(q, keys, values, mask, backend, prefill)
-    if keys.lengths is not None and (mask is not None or fused != "triton"):
+    if keys.lengths is not None and (mask is not None or fused not in ("triton", "cuda")):
         keys, values = keys.valid(), values.valid()
     b, hq, nq, _ = q.shape
     hkv, total, tc = keys.shape[1], keys.shape[2], keys.codes.shape[2]
@@ -80,11 +81,11 @@ def compressed_attention(
     mask = _stored_order(mask, keys, nq, causal)
     if prefill and fused == "torch":
         return decoded_attention(q.to(dtype), keys, values, scaling)
-    if fused == "triton":
+    if fused in ("triton", "cuda"):
         from ..kernels.attention_triton import compressed_attention_triton  # imports triton
 
-        return compressed_attention_triton(q, keys, values, mask, scaling, softcap, causal,
-                                           lengths=keys.lengths).to(dtype)
+        return compressed_attention_triton(q, keys, values, mask, scaling, softcap, causal, lengths=keys.lengths,
+                                           cuda=fused == "cuda").to(dtype)
     groups = hq // hkv
     qg = q.float().reshape(b, hkv, groups * nq, q.shape[-1])  # [B, Hkv, G*Q, Dk]
     state = _OnlineSoftmax(qg.shape[:3], values.shape[-1], q.device)
@@ -122,13 +123,16 @@ def _stored_order(mask: Tensor | None, keys: CompressedTokens, nq: int, causal: 
 def _fused(q: Tensor, keys: CompressedTokens, values: CompressedTokens, mask: Tensor | None,
            backend: str | None, prefill: bool = False) -> str:
     """The backend of one attention call: "triton" where the GPU kernel reads both encoders' codes and the
-    mask (see ``kernels.select``), else "torch"; "auto" takes "torch" for a ``prefill`` (many queries on the
-    CPU or in half precision on CUDA: :func:`decoded_attention` is faster there)."""
+    mask, "cuda" where the CUDA C++ decode kernel also reads the codes (see ``kernels.select``; the step's
+    compressed splits then run it where there is no mask and no soft cap), else "torch";
+    "auto" takes "torch" for a ``prefill`` (many queries on the CPU or in half precision on CUDA:
+    :func:`decoded_attention` is faster there)."""
     backend = keys.encoder.backend if backend is None else backend
     readable = attention_reads(keys.encoder, values.encoder, mask)
     if prefill and kernels.requested(backend) == "auto":
         readable = False
-    return kernels.select(q, backend, ("triton",) if readable else (), "attention from these codes and this mask")
+    gpu = ("triton", "cuda") if attention_cuda.reads(keys.encoder, values.encoder) else ("triton",)
+    return kernels.select(q, backend, gpu if readable else (), "attention from these codes and this mask")
 
 
 def decoded_attention(q: Tensor, keys: CompressedTokens, values: CompressedTokens, scaling: float,

@@ -1,0 +1,325 @@
+// Split-K decode attention over 4-bit direction codes (tq4 keys and values with float16 norms), CUDA C++.
+//
+// A block takes one (batch row x KV head, block of up to 8 query rows, split of the compressed tokens); each of its
+// WARPS warps takes every WARPS-th tile of 16 tokens of the split and keeps its own online softmax. Tokens are on
+// the M dimension of the tensor-core products (mma.m16n8k16, f16 operands, f32 accumulation), query rows on N:
+//
+//   scores^T [16 tokens, 8 rows] = K [16 tokens, D] . Q^T [D, 8 rows]       (K decoded in registers: operand A)
+//   out^T    [D, 8 rows]        += V^T [D, 16 tokens] . P [16 tokens, 8 rows] (V decoded in registers: operand A)
+//
+// The codes stay in the cache's own layout (token rows of D / 2 bytes, coordinate 2i in the low nibble of byte i).
+// A product's sum over its k dimension may take the coordinates (tokens) in any order as long as both operands take
+// the same one, so each thread loads contiguous bytes: for K, thread (g = lane / 4, t = lane % 4) holds rows g and
+// g + 8 of the tile and bytes [t D / 8, (t + 1) D / 8) of each, its k-step ks covering coordinates t D / 4 + 4 ks
+// .. + 3 (the queries are loaded in the same order); for V, thread (g, t) holds tokens 2t, 2t + 1, 2t + 8, 2t + 9
+// and bytes [g D / 16, (g + 1) D / 16) of each, the output row g (g + 8) of m-tile mt being coordinate
+// g D / 8 + 2 mt (+ 1). Codes become f16 levels by prmt lookups (the eight magnitudes' low and high bytes in four
+// registers, the sign set from the code's high bit). The probabilities' fragment (C layout, tokens on rows) becomes
+// the B operand of the second product by two movmatrix transposes. Key norms and query scales are applied to the
+// score fragment, value norms to the probabilities.
+//
+// Each block writes its split's partial softmax (running max in natural-log units, normalizer, value sum in the
+// value encoder's rotated domain) in the layout of the Triton attention kernel's partials, which its merge kernel
+// combines with the window's splits. The reference is tqindex.kv.attention.compressed_attention_ref.
+
+#include <cuda_fp16.h>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int WARPS = 4;
+constexpr int TILE = 16;  // tokens per warp step
+constexpr int ROWS = 8;   // query rows per block (the N of the products)
+constexpr float LN2 = 0.6931471805599453f;
+
+struct Table {
+  uint32_t lo0, lo1, hi0, hi1;  // low bytes of magnitudes 0-3, 4-7; high bytes of 0-3, 4-7 (f16, ascending)
+};
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t s) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(s));
+  return d;
+}
+
+// The f16 levels of the eight 4-bit codes of w (code c in bits 4c..4c+3): low bytes of codes 0-3 in la, high bytes
+// in ha, codes 4-7 in lb / hb. A code below 8 is negative with magnitude index 7 - c, else positive with c - 8.
+__device__ __forceinline__ void lookup(uint32_t w, const Table& t, uint32_t& la, uint32_t& ha, uint32_t& lb,
+                                       uint32_t& hb) {
+  const uint32_t neg = ~w & 0x88888888u;
+  const uint32_t m = (w & 0x77777777u) ^ (neg - (neg >> 3));  // magnitude indices, one per nibble
+  la = prmt(t.lo0, t.lo1, m);
+  ha = prmt(t.hi0, t.hi1, m);
+  lb = prmt(t.lo0, t.lo1, m >> 16);
+  hb = prmt(t.hi0, t.hi1, m >> 16);
+  const uint32_t s = neg >> 1;  // selector 4 (byte 0x80) where negative, 0 (byte 0) elsewhere
+  ha |= prmt(0u, 0x80808080u, s);
+  hb |= prmt(0u, 0x80808080u, s >> 16);
+}
+
+__device__ __forceinline__ void mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                    uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t transposed(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+  return y;
+}
+
+__device__ __forceinline__ uint32_t half2_bits(float lo, float hi) {
+  __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+// N 32-bit words from 4N-byte-aligned global memory, not kept in L1.
+template <int N>
+__device__ __forceinline__ void load_words(const uint8_t* p, uint32_t (&w)[N]) {
+  if constexpr (N % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < N; i += 4) {
+      const uint4 v = __ldcs(reinterpret_cast<const uint4*>(p) + i / 4);
+      w[i] = v.x, w[i + 1] = v.y, w[i + 2] = v.z, w[i + 3] = v.w;
+    }
+  } else if constexpr (N == 2) {
+    const uint2 v = __ldcs(reinterpret_cast<const uint2*>(p));
+    w[0] = v.x, w[1] = v.y;
+  } else {
+    w[0] = __ldcs(reinterpret_cast<const unsigned int*>(p));
+  }
+}
+
+template <int D>
+struct Tile {
+  static constexpr int KW = D / 32;  // words of one key row a thread reads (D / 8 bytes)
+  static constexpr int VW = D / 64 > 0 ? D / 64 : 1;  // words of one value row a thread reads (D / 16 bytes)
+  uint32_t k[2][KW];  // rows g, g + 8
+  uint32_t v[4][VW];  // tokens 2t, 2t + 1, 2t + 8, 2t + 9
+  float kn[2], vn[2];  // norms of tokens g, g + 8 (0 past the split)
+};
+
+template <int D>
+__device__ __forceinline__ void load_tile(Tile<D>& x, int t0, int t_hi, const uint8_t* kc, const __half* kn,
+                                          const uint8_t* vc, const __half* vn, int g, int t) {
+  constexpr int BYTES = D / 2;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int tok = t0 + g + 8 * i;
+    const bool ok = tok < t_hi;
+    if (ok) {
+      load_words(kc + (int64_t)tok * BYTES + t * (D / 8), x.k[i]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < Tile<D>::KW; ++j) x.k[i][j] = 0;
+    }
+    x.kn[i] = ok ? __half2float(kn[tok]) : 0.f;
+    x.vn[i] = ok ? __half2float(vn[tok]) : 0.f;
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int tok = t0 + 2 * t + (i & 1) + 8 * (i >> 1);
+    if (tok < t_hi) {
+      load_words(vc + (int64_t)tok * BYTES + g * (D / 16), x.v[i]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < Tile<D>::VW; ++j) x.v[i][j] = 0;
+    }
+  }
+}
+
+template <int D>
+__global__ void __launch_bounds__(WARPS * 32) tq4_decode_kernel(
+    const __half* __restrict__ qp, const float* __restrict__ qsc, const uint8_t* __restrict__ kc,
+    const __half* __restrict__ kn, const uint8_t* __restrict__ vc, const __half* __restrict__ vn,
+    float* __restrict__ out, float* __restrict__ m_out, float* __restrict__ l_out, const int64_t* __restrict__ lengths,
+    int rows, int tc, int nsplit, int tokens_per_split, int64_t kc_stride, int64_t vc_stride, int64_t kn_stride,
+    int64_t vn_stride, int pw, int gp, float scale_log2, Table kt, Table vt) {
+  constexpr int MT = D / 16;  // m-tiles of the value product, k-steps of the key product
+  const int bh = blockIdx.x, rb = blockIdx.y, sp = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  if (lengths != nullptr) tc = (int)lengths[0];
+  const int t_lo = sp * tokens_per_split, t_hi = min(t_lo + tokens_per_split, tc);
+  kc += bh * kc_stride;
+  vc += bh * vc_stride;
+  kn += bh * kn_stride;
+  vn += bh * vn_stride;
+
+  // the queries as B operands: row rb * 8 + g, coordinates t D / 4 + 4 ks + (0, 1) and (2, 3) (planar order:
+  // coordinate c at column (c % 2) * gp + c / 2)
+  uint32_t qb[MT][2];
+  const int row = rb * ROWS + g;
+  const __half* q = qp + ((int64_t)bh * rows + row) * pw;
+#pragma unroll
+  for (int ks = 0; ks < MT; ++ks) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int c = t * (D / 4) + 4 * ks + 2 * j;  // even
+      __half2 h = row < rows ? __halves2half2(q[c / 2], q[gp + c / 2]) : __float2half2_rn(0.f);
+      qb[ks][j] = *reinterpret_cast<uint32_t*>(&h);
+    }
+  }
+  // score factors of this thread's columns 2t, 2t + 1
+  float qs[2];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int r = rb * ROWS + 2 * t + j;
+    qs[j] = r < rows ? qsc[(int64_t)bh * rows + r] * scale_log2 : 0.f;
+  }
+
+  float acc[MT][4];
+#pragma unroll
+  for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // log2 units; l: this thread's tokens only
+
+  int t0 = t_lo + warp * TILE;
+  Tile<D> cur;
+  if (t0 < t_hi) load_tile<D>(cur, t0, t_hi, kc, kn, vc, vn, g, t);
+  for (; t0 < t_hi; t0 += WARPS * TILE) {
+    Tile<D> nxt;
+    if (t0 + WARPS * TILE < t_hi) load_tile<D>(nxt, t0 + WARPS * TILE, t_hi, kc, kn, vc, vn, g, t);
+
+    float s[4] = {0.f, 0.f, 0.f, 0.f};  // (token g, column 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)
+#pragma unroll
+    for (int j = 0; j < Tile<D>::KW; ++j) {
+      uint32_t la, ha, lb, hb, lc, hc, ld, hd;
+      lookup(cur.k[0][j], kt, la, ha, lb, hb);
+      lookup(cur.k[1][j], kt, lc, hc, ld, hd);
+      mma(s, prmt(la, ha, 0x5140), prmt(lc, hc, 0x5140), prmt(la, ha, 0x7362), prmt(lc, hc, 0x7362),
+          qb[2 * j][0], qb[2 * j][1]);
+      mma(s, prmt(lb, hb, 0x5140), prmt(ld, hd, 0x5140), prmt(lb, hb, 0x7362), prmt(ld, hd, 0x7362),
+          qb[2 * j + 1][0], qb[2 * j + 1][1]);
+    }
+    // online softmax per column (query row); tokens past the split score -inf
+    float mx[2];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = i >> 1;
+      s[i] = t0 + g + 8 * r < t_hi ? s[i] * cur.kn[r] * qs[i & 1] : -INFINITY;
+    }
+    mx[0] = fmaxf(s[0], s[2]);
+    mx[1] = fmaxf(s[1], s[3]);
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) {
+      mx[0] = fmaxf(mx[0], __shfl_xor_sync(0xffffffffu, mx[0], o));
+      mx[1] = fmaxf(mx[1], __shfl_xor_sync(0xffffffffu, mx[1], o));
+    }
+    const bool grew = mx[0] > m[0] || mx[1] > m[1];
+    if (__any_sync(0xffffffffu, grew)) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const float mn = fmaxf(m[j], mx[j]);
+        const float alpha = m[j] == -INFINITY ? 0.f : exp2f(m[j] - mn);
+        m[j] = mn;
+        l[j] *= alpha;
+#pragma unroll
+        for (int i = 0; i < MT; ++i) {
+          acc[i][j] *= alpha;
+          acc[i][j + 2] *= alpha;
+        }
+      }
+    }
+    float p[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float shift = m[i & 1] == -INFINITY ? 0.f : m[i & 1];
+      p[i] = exp2f(s[i] - shift);
+    }
+    l[0] += p[0] + p[2];
+    l[1] += p[1] + p[3];
+    const uint32_t pb0 = transposed(half2_bits(p[0] * cur.vn[0], p[1] * cur.vn[0]));
+    const uint32_t pb1 = transposed(half2_bits(p[2] * cur.vn[1], p[3] * cur.vn[1]));
+#pragma unroll
+    for (int j = 0; j < Tile<D>::VW; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {  // bytes 0-1, then 2-3 of word j: m-tiles 4j + 2h, 4j + 2h + 1
+        const uint32_t sel = h ? 0x7362 : 0x5140;
+        uint32_t la, ha, lb, hb, lc, hc, ld, hd;
+        lookup(prmt(cur.v[0][j], cur.v[1][j], sel), vt, la, ha, lb, hb);
+        lookup(prmt(cur.v[2][j], cur.v[3][j], sel), vt, lc, hc, ld, hd);
+        const int mt = 4 * j + 2 * h;
+        if (mt < MT)
+          mma(acc[mt], prmt(la, ha, 0x6240), prmt(la, ha, 0x7351), prmt(lc, hc, 0x6240), prmt(lc, hc, 0x7351),
+              pb0, pb1);
+        if (mt + 1 < MT)
+          mma(acc[mt + 1], prmt(lb, hb, 0x6240), prmt(lb, hb, 0x7351), prmt(ld, hd, 0x6240),
+              prmt(ld, hd, 0x7351), pb0, pb1);
+      }
+    }
+    cur = nxt;
+  }
+
+  // combine the warps: maxima and normalizers per column, then the value sums rescaled to the block's maximum
+  __shared__ float sm_m[WARPS][ROWS], sm_l[WARPS][ROWS];
+  __shared__ float sm_acc[WARPS][ROWS][D];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) l[j] += __shfl_xor_sync(0xffffffffu, l[j], o);
+    if (g == 0) {
+      sm_m[warp][2 * t + j] = m[j];
+      sm_l[warp][2 * t + j] = l[j];
+    }
+#pragma unroll
+    for (int i = 0; i < MT; ++i) {
+      const int c = g * (D / 8) + 2 * i;
+      sm_acc[warp][2 * t + j][c] = acc[i][j];
+      sm_acc[warp][2 * t + j][c + 1] = acc[i][j + 2];
+    }
+  }
+  __syncthreads();
+  const int nrows = min(ROWS, rows - rb * ROWS);
+  const int64_t base = ((int64_t)bh * nsplit + sp) * rows + rb * ROWS;
+  for (int i = threadIdx.x; i < nrows * D; i += WARPS * 32) {
+    const int r = i / D, c = i % D;
+    float top = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) top = fmaxf(top, sm_m[w][r]);
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w)
+      if (sm_m[w][r] != -INFINITY) sum += sm_acc[w][r][c] * exp2f(sm_m[w][r] - top);
+    out[(base + r) * D + c] = sum;
+    if (c == 0) {
+      float total = 0.f;
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w)
+        if (sm_m[w][r] != -INFINITY) total += sm_l[w][r] * exp2f(sm_m[w][r] - top);
+      m_out[base + r] = top * LN2;
+      l_out[base + r] = total;
+    }
+  }
+}
+
+}  // namespace
+
+// Launch over grid (bh, row blocks, the splits_c compressed splits of the nsplit partials) on ``stream``: pointers
+// and the stream as integers (device addresses, cudaStream_t), the prmt table words of the keys' and the values'
+// magnitudes (four each).
+void tq4_decode_launch(int64_t qp, int64_t qsc, int64_t kc, int64_t kn, int64_t vc, int64_t vn, int64_t out,
+                       int64_t m_out, int64_t l_out, int64_t lengths, int64_t bh, int64_t rows, int64_t tc,
+                       int64_t splits_c, int64_t nsplit, int64_t tokens_per_split, int64_t kc_stride,
+                       int64_t vc_stride, int64_t kn_stride, int64_t vn_stride, int64_t pw, int64_t gp,
+                       double scale_log2, const std::vector<int64_t>& ktab, const std::vector<int64_t>& vtab,
+                       int64_t dim, int64_t stream) {
+  const dim3 grid((unsigned)bh, (unsigned)((rows + ROWS - 1) / ROWS), (unsigned)splits_c), block(WARPS * 32);
+  const Table kt{(uint32_t)ktab[0], (uint32_t)ktab[1], (uint32_t)ktab[2], (uint32_t)ktab[3]};
+  const Table vt{(uint32_t)vtab[0], (uint32_t)vtab[1], (uint32_t)vtab[2], (uint32_t)vtab[3]};
+  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+#define TQ_ARGS                                                                                                   \
+  reinterpret_cast<const __half*>(qp), reinterpret_cast<const float*>(qsc), reinterpret_cast<const uint8_t*>(kc), \
+      reinterpret_cast<const __half*>(kn), reinterpret_cast<const uint8_t*>(vc),                                  \
+      reinterpret_cast<const __half*>(vn), reinterpret_cast<float*>(out), reinterpret_cast<float*>(m_out),        \
+      reinterpret_cast<float*>(l_out), reinterpret_cast<const int64_t*>(lengths), (int)rows, (int)tc,             \
+      (int)nsplit, (int)tokens_per_split, kc_stride, vc_stride, kn_stride, vn_stride, (int)pw, (int)gp,           \
+      (float)scale_log2, kt, vt
+  if (dim == 64) tq4_decode_kernel<64><<<grid, block, 0, s>>>(TQ_ARGS);
+  else if (dim == 128) tq4_decode_kernel<128><<<grid, block, 0, s>>>(TQ_ARGS);
+  else tq4_decode_kernel<256><<<grid, block, 0, s>>>(TQ_ARGS);
+#undef TQ_ARGS
+}
