@@ -71,7 +71,7 @@ def test_cuda_decode_step(d, past, hq, hkv, nq):
 @pytest.mark.parametrize("kenc, venc, d", [("tq4", "tq4", 128), ("tq3", "tq4", 64), ("tq8", "tq4", 64),
                                           ("tq2", "tq2", 64), ("tq4", "tq8", 96), ("tq1", "tq1", 64),
                                           ("tq3", "tq3", 128), ("tq3", "tq3", 40), ("fp4", "fp4", 64),
-                                          ("fp4", "tq4", 128), ("tq4", "fp4", 96)])
+                                          ("fp4", "tq4", 128), ("tq4", "fp4", 96), ("tq4", "tq4", 256)])
 def test_encoders_and_dims(kenc, venc, d):
     check(kenc, venc, 1, 4, 2, d, 200, 3, 1, strided=False)
 

@@ -213,11 +213,14 @@ def _query_kernel(Q, MQ, QP, QSC, hkv, rows, nq, q_sb, q_sh, q_sq, D: tl.constex
     bh, rb = tl.program_id(0), tl.program_id(1)
     r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = r < rows
-    d = tl.arange(0, DP)
     c = tl.arange(0, PWP)
     q_rows = _query_rows(Q, bh // hkv, bh % hkv, r, rows, nq, q_sb, q_sh, q_sq)
-    q = tl.load(q_rows[:, None] + d[None, :], mask=ok[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
-    y = tl.dot(q, tl.load(MQ + d[:, None] * PWP + c[None, :]), input_precision=PRECISION)
+    KQ: tl.constexpr = DP if DP <= 128 else 64  # rows of MQ per product (shared memory)
+    y = tl.zeros((BLOCK_R, PWP), tl.float32)
+    for k0 in tl.static_range(0, DP, KQ):
+        d = k0 + tl.arange(0, KQ)
+        q = tl.load(q_rows[:, None] + d[None, :], mask=ok[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
+        y = tl.dot(q, tl.load(MQ + d[:, None] * PWP + c[None, :]), y, input_precision=PRECISION)
     amax = tl.max(tl.abs(y), axis=1)
     scale = tl.where(amax > 0, tl.exp2(tl.ceil(tl.log2(tl.maximum(amax, 1e-30)))), 1.0)
     i = bh.to(tl.int64) * rows + r
@@ -298,11 +301,32 @@ def _window_tiles(acc, m_i, l_i, t_lo, t_hi, Q, KW, VW, b, bh, hkv, bh64, r, rma
 
 
 @triton.jit
+def _halves(x):
+    """x [rows, n] -> (x[:, :n / 2], x[:, n / 2:])."""
+    return tl.split(tl.permute(tl.reshape(x, (x.shape[0], 2, x.shape[1] // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def _rows_times(x, MV, k0, DP: tl.constexpr, PRECISION: tl.constexpr):
+    """x [rows, n] times rows k0 .. k0 + n of MV float32 [DP, DP]."""
+    k = k0 + tl.arange(0, x.shape[1])
+    d = tl.arange(0, DP)
+    return tl.dot(x, tl.load(MV + k[:, None] * DP + d[None, :]), input_precision=PRECISION)
+
+
+@triton.jit
 def _rotated_back(acc, MV, DP: tl.constexpr, PRECISION: tl.constexpr):
     """Sums acc [rows, DP] in the value encoder's rotated domain, rotated back: acc MV (MV float32 [DP, DP],
-    the rotation's inverse, zero padded; float32 accuracy)."""
-    d = tl.arange(0, DP)
-    return tl.dot(acc, tl.load(MV + d[:, None] * DP + d[None, :]), input_precision=PRECISION)
+    the rotation's inverse, zero padded; float32 accuracy). DP 256: four products of 64 rows of MV each (the
+    whole matrix does not fit in shared memory)."""
+    if DP <= 128:
+        return _rows_times(acc, MV, 0, DP, PRECISION)
+    else:
+        h0, h1 = _halves(acc)
+        q0, q1 = _halves(h0)
+        q2, q3 = _halves(h1)
+        out = _rows_times(q0, MV, 0, DP, PRECISION) + _rows_times(q1, MV, DP // 4, DP, PRECISION)
+        return out + _rows_times(q2, MV, DP // 2, DP, PRECISION) + _rows_times(q3, MV, 3 * DP // 4, DP, PRECISION)
 
 
 @triton.jit

@@ -24,6 +24,7 @@
 
 #include <cuda_fp16.h>
 #include <cstdint>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -31,6 +32,7 @@ namespace {
 constexpr int WARPS = 4;
 constexpr int TILE = 16;  // tokens per warp step
 constexpr int ROWS = 8;   // query rows per block (the N of the products)
+constexpr int STAGES = 4;  // tiles a warp's ring holds (STAGES - 1 copies in flight while one is computed)
 constexpr float LN2 = 0.6931471805599453f;
 
 struct Table {
@@ -60,8 +62,7 @@ __device__ __forceinline__ void lookup(uint32_t w, const Table& t, uint32_t& la,
 
 __device__ __forceinline__ void mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
                                     uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
       "{%0, %1, %2, %3};"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
@@ -78,58 +79,52 @@ __device__ __forceinline__ uint32_t half2_bits(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&h);
 }
 
-// N 32-bit words from 4N-byte-aligned global memory, not kept in L1.
+__device__ __forceinline__ void copy16(uint32_t dst, const void* src, int bytes) {  // bytes < 16: zero-filled
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+
+// N 32-bit words from 4N-byte-aligned shared memory, in vector loads.
 template <int N>
-__device__ __forceinline__ void load_words(const uint8_t* p, uint32_t (&w)[N]) {
+__device__ __forceinline__ void lds(const uint8_t* p, uint32_t (&w)[N]) {
   if constexpr (N % 4 == 0) {
 #pragma unroll
     for (int i = 0; i < N; i += 4) {
-      const uint4 v = __ldcs(reinterpret_cast<const uint4*>(p) + i / 4);
+      const uint4 v = reinterpret_cast<const uint4*>(p)[i / 4];
       w[i] = v.x, w[i + 1] = v.y, w[i + 2] = v.z, w[i + 3] = v.w;
     }
   } else if constexpr (N == 2) {
-    const uint2 v = __ldcs(reinterpret_cast<const uint2*>(p));
+    const uint2 v = *reinterpret_cast<const uint2*>(p);
     w[0] = v.x, w[1] = v.y;
   } else {
-    w[0] = __ldcs(reinterpret_cast<const unsigned int*>(p));
+    w[0] = *reinterpret_cast<const uint32_t*>(p);
   }
 }
 
+// One stage of a warp's ring in shared memory: the codes of a tile's 16 tokens (keys, then values, D / 2 bytes a
+// token), then the 16-byte-aligned 48 bytes holding its 16 key norms, then those holding its value norms.
 template <int D>
-struct Tile {
-  static constexpr int KW = D / 32;  // words of one key row a thread reads (D / 8 bytes)
-  static constexpr int VW = D / 64 > 0 ? D / 64 : 1;  // words of one value row a thread reads (D / 16 bytes)
-  uint32_t k[2][KW];  // rows g, g + 8
-  uint32_t v[4][VW];  // tokens 2t, 2t + 1, 2t + 8, 2t + 9
-  float kn[2], vn[2];  // norms of tokens g, g + 8 (0 past the split)
+struct Stage {
+  static constexpr int CODES = TILE * D / 2;
+  static constexpr int BYTES = 2 * CODES + 96;
 };
 
+// Issue the copies of the tile at token t0 (rows past t_hi zero-filled; norm bytes past token t_hi not read).
 template <int D>
-__device__ __forceinline__ void load_tile(Tile<D>& x, int t0, int t_hi, const uint8_t* kc, const __half* kn,
-                                          const uint8_t* vc, const __half* vn, int g, int t) {
-  constexpr int BYTES = D / 2;
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int tok = t0 + g + 8 * i;
-    const bool ok = tok < t_hi;
-    if (ok) {
-      load_words(kc + (int64_t)tok * BYTES + t * (D / 8), x.k[i]);
-    } else {
-#pragma unroll
-      for (int j = 0; j < Tile<D>::KW; ++j) x.k[i][j] = 0;
-    }
-    x.kn[i] = ok ? __half2float(kn[tok]) : 0.f;
-    x.vn[i] = ok ? __half2float(vn[tok]) : 0.f;
+__device__ __forceinline__ void issue_tile(uint32_t stage, int t0, int t_hi, const uint8_t* kc, const uint8_t* vc,
+                                           const __half* kn, const __half* vn, int lane) {
+  constexpr int UNITS = Stage<D>::CODES / 16, ROW_UNITS = D / 32;
+  for (int u = lane; u < UNITS; u += 32) {
+    const int64_t at = (int64_t)t0 * (D / 2) + 16 * u;
+    const int bytes = t0 + u / ROW_UNITS < t_hi ? 16 : 0;
+    copy16(stage + 16 * u, kc + at, bytes);
+    copy16(stage + Stage<D>::CODES + 16 * u, vc + at, bytes);
   }
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int tok = t0 + 2 * t + (i & 1) + 8 * (i >> 1);
-    if (tok < t_hi) {
-      load_words(vc + (int64_t)tok * BYTES + g * (D / 16), x.v[i]);
-    } else {
-#pragma unroll
-      for (int j = 0; j < Tile<D>::VW; ++j) x.v[i][j] = 0;
-    }
+  if (lane < 6) {
+    const __half* n = lane < 3 ? kn : vn;
+    const uintptr_t first = reinterpret_cast<uintptr_t>(n + t0) & ~uintptr_t(15), end = (uintptr_t)(n + t_hi);
+    const uintptr_t unit = first + 16 * (lane % 3);
+    const int bytes = unit >= end ? 0 : (int)min(end - unit, uintptr_t(16));
+    copy16(stage + 2 * Stage<D>::CODES + 48 * (lane / 3) + 16 * (lane % 3), bytes ? (const void*)unit : n, bytes);
   }
 }
 
@@ -177,19 +172,49 @@ __global__ void __launch_bounds__(WARPS * 32) tq4_decode_kernel(
   for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // log2 units; l: this thread's tokens only
 
-  int t0 = t_lo + warp * TILE;
-  Tile<D> cur;
-  if (t0 < t_hi) load_tile<D>(cur, t0, t_hi, kc, kn, vc, vn, g, t);
-  for (; t0 < t_hi; t0 += WARPS * TILE) {
-    Tile<D> nxt;
-    if (t0 + WARPS * TILE < t_hi) load_tile<D>(nxt, t0 + WARPS * TILE, t_hi, kc, kn, vc, vn, g, t);
+  // this warp's tiles t_lo + (warp + WARPS i) TILE, i < n, through its ring of STAGES stages (STAGES - 1 in flight)
+  extern __shared__ __align__(16) uint8_t ring[];
+  uint8_t* mine = ring + warp * STAGES * Stage<D>::BYTES;
+  const uint32_t mine_s = (uint32_t)__cvta_generic_to_shared(mine);
+  const int first = t_lo + warp * TILE, n = first < t_hi ? (t_hi - first + WARPS * TILE - 1) / (WARPS * TILE) : 0;
+  const int kn_off = (int)(reinterpret_cast<uintptr_t>(kn) & 15), vn_off = (int)(reinterpret_cast<uintptr_t>(vn) & 15);
+#pragma unroll
+  for (int i = 0; i < STAGES - 1; ++i) {
+    if (i < n) issue_tile<D>(mine_s + i * Stage<D>::BYTES, first + i * WARPS * TILE, t_hi, kc, vc, kn, vn, lane);
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  }
+  for (int it = 0; it < n; ++it) {
+    const int t0 = first + it * WARPS * TILE;
+    if (it + STAGES - 1 < n)
+      issue_tile<D>(mine_s + (it + STAGES - 1) % STAGES * Stage<D>::BYTES, t0 + (STAGES - 1) * WARPS * TILE, t_hi,
+                    kc, vc, kn, vn, lane);
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 1) : "memory");
+    __syncwarp();
+    const uint8_t* st = mine + it % STAGES * Stage<D>::BYTES;
+    constexpr int KW = D / 32, VW = D / 64 > 0 ? D / 64 : 1;  // words of a key (value) row a thread reads
+    uint32_t kw[2][KW], vw[4][VW];  // key rows g, g + 8; value tokens 2t, 2t + 1, 2t + 8, 2t + 9
+    float knorm[2], vnorm[2];  // tokens g, g + 8 (0 past the split)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      lds(st + (g + 8 * r) * (D / 2) + t * (D / 8), kw[r]);
+      const bool ok = t0 + g + 8 * r < t_hi;
+      const uint8_t* norms = st + 2 * Stage<D>::CODES + 2 * (g + 8 * r);
+      knorm[r] = ok ? __half2float(*reinterpret_cast<const __half*>(norms + kn_off)) : 0.f;
+      vnorm[r] = ok ? __half2float(*reinterpret_cast<const __half*>(norms + 48 + vn_off)) : 0.f;
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      lds(st + Stage<D>::CODES + (2 * t + (r & 1) + 8 * (r >> 1)) * (D / 2) + g * (D / 16), vw[r]);
+    }
+    __syncwarp();  // the stage is read: the next iteration's copies may overwrite it
 
     float s[4] = {0.f, 0.f, 0.f, 0.f};  // (token g, column 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)
 #pragma unroll
-    for (int j = 0; j < Tile<D>::KW; ++j) {
+    for (int j = 0; j < KW; ++j) {
       uint32_t la, ha, lb, hb, lc, hc, ld, hd;
-      lookup(cur.k[0][j], kt, la, ha, lb, hb);
-      lookup(cur.k[1][j], kt, lc, hc, ld, hd);
+      lookup(kw[0][j], kt, la, ha, lb, hb);
+      lookup(kw[1][j], kt, lc, hc, ld, hd);
       mma(s, prmt(la, ha, 0x5140), prmt(lc, hc, 0x5140), prmt(la, ha, 0x7362), prmt(lc, hc, 0x7362),
           qb[2 * j][0], qb[2 * j][1]);
       mma(s, prmt(lb, hb, 0x5140), prmt(ld, hd, 0x5140), prmt(lb, hb, 0x7362), prmt(ld, hd, 0x7362),
@@ -200,7 +225,7 @@ __global__ void __launch_bounds__(WARPS * 32) tq4_decode_kernel(
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int r = i >> 1;
-      s[i] = t0 + g + 8 * r < t_hi ? s[i] * cur.kn[r] * qs[i & 1] : -INFINITY;
+      s[i] = t0 + g + 8 * r < t_hi ? s[i] * knorm[r] * qs[i & 1] : -INFINITY;
     }
     mx[0] = fmaxf(s[0], s[2]);
     mx[1] = fmaxf(s[1], s[3]);
@@ -232,16 +257,16 @@ __global__ void __launch_bounds__(WARPS * 32) tq4_decode_kernel(
     }
     l[0] += p[0] + p[2];
     l[1] += p[1] + p[3];
-    const uint32_t pb0 = transposed(half2_bits(p[0] * cur.vn[0], p[1] * cur.vn[0]));
-    const uint32_t pb1 = transposed(half2_bits(p[2] * cur.vn[1], p[3] * cur.vn[1]));
+    const uint32_t pb0 = transposed(half2_bits(p[0] * vnorm[0], p[1] * vnorm[0]));
+    const uint32_t pb1 = transposed(half2_bits(p[2] * vnorm[1], p[3] * vnorm[1]));
 #pragma unroll
-    for (int j = 0; j < Tile<D>::VW; ++j) {
+    for (int j = 0; j < VW; ++j) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {  // bytes 0-1, then 2-3 of word j: m-tiles 4j + 2h, 4j + 2h + 1
         const uint32_t sel = h ? 0x7362 : 0x5140;
         uint32_t la, ha, lb, hb, lc, hc, ld, hd;
-        lookup(prmt(cur.v[0][j], cur.v[1][j], sel), vt, la, ha, lb, hb);
-        lookup(prmt(cur.v[2][j], cur.v[3][j], sel), vt, lc, hc, ld, hd);
+        lookup(prmt(vw[0][j], vw[1][j], sel), vt, la, ha, lb, hb);
+        lookup(prmt(vw[2][j], vw[3][j], sel), vt, lc, hc, ld, hd);
         const int mt = 4 * j + 2 * h;
         if (mt < MT)
           mma(acc[mt], prmt(la, ha, 0x6240), prmt(la, ha, 0x7351), prmt(lc, hc, 0x6240), prmt(lc, hc, 0x7351),
@@ -251,12 +276,13 @@ __global__ void __launch_bounds__(WARPS * 32) tq4_decode_kernel(
               prmt(ld, hd, 0x7351), pb0, pb1);
       }
     }
-    cur = nxt;
   }
 
   // combine the warps: maxima and normalizers per column, then the value sums rescaled to the block's maximum
   __shared__ float sm_m[WARPS][ROWS], sm_l[WARPS][ROWS];
-  __shared__ float sm_acc[WARPS][ROWS][D];
+  asm volatile("cp.async.wait_group 0;" ::: "memory");
+  __syncthreads();  // every warp is done with its ring, which now holds the value sums
+  float(*sm_acc)[ROWS][D] = reinterpret_cast<float(*)[ROWS][D]>(ring);
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
 #pragma unroll
@@ -296,6 +322,17 @@ __global__ void __launch_bounds__(WARPS * 32) tq4_decode_kernel(
   }
 }
 
+// The kernel for head dim D on ``stream`` with its dynamic shared memory (the warps' rings, then the value sums).
+template <int D, typename... Args>
+void launch(dim3 grid, cudaStream_t stream, Args... args) {
+  constexpr int SMEM = WARPS * STAGES * Stage<D>::BYTES > WARPS * ROWS * D * 4 ? WARPS * STAGES * Stage<D>::BYTES
+                                                                               : WARPS * ROWS * D * 4;
+  static const bool opted = cudaFuncSetAttribute(tq4_decode_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 SMEM) == cudaSuccess;
+  (void)opted;
+  tq4_decode_kernel<D><<<grid, WARPS * 32, SMEM, stream>>>(args...);
+}
+
 }  // namespace
 
 // Launch over grid (bh, row blocks, the splits_c compressed splits of the nsplit partials) on ``stream``: pointers
@@ -307,19 +344,17 @@ void tq4_decode_launch(int64_t qp, int64_t qsc, int64_t kc, int64_t kn, int64_t 
                        int64_t vc_stride, int64_t kn_stride, int64_t vn_stride, int64_t pw, int64_t gp,
                        double scale_log2, const std::vector<int64_t>& ktab, const std::vector<int64_t>& vtab,
                        int64_t dim, int64_t stream) {
-  const dim3 grid((unsigned)bh, (unsigned)((rows + ROWS - 1) / ROWS), (unsigned)splits_c), block(WARPS * 32);
+  const dim3 grid((unsigned)bh, (unsigned)((rows + ROWS - 1) / ROWS), (unsigned)splits_c);
   const Table kt{(uint32_t)ktab[0], (uint32_t)ktab[1], (uint32_t)ktab[2], (uint32_t)ktab[3]};
   const Table vt{(uint32_t)vtab[0], (uint32_t)vtab[1], (uint32_t)vtab[2], (uint32_t)vtab[3]};
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-#define TQ_ARGS                                                                                                   \
-  reinterpret_cast<const __half*>(qp), reinterpret_cast<const float*>(qsc), reinterpret_cast<const uint8_t*>(kc), \
-      reinterpret_cast<const __half*>(kn), reinterpret_cast<const uint8_t*>(vc),                                  \
-      reinterpret_cast<const __half*>(vn), reinterpret_cast<float*>(out), reinterpret_cast<float*>(m_out),        \
-      reinterpret_cast<float*>(l_out), reinterpret_cast<const int64_t*>(lengths), (int)rows, (int)tc,             \
-      (int)nsplit, (int)tokens_per_split, kc_stride, vc_stride, kn_stride, vn_stride, (int)pw, (int)gp,           \
-      (float)scale_log2, kt, vt
-  if (dim == 64) tq4_decode_kernel<64><<<grid, block, 0, s>>>(TQ_ARGS);
-  else if (dim == 128) tq4_decode_kernel<128><<<grid, block, 0, s>>>(TQ_ARGS);
-  else tq4_decode_kernel<256><<<grid, block, 0, s>>>(TQ_ARGS);
-#undef TQ_ARGS
+  const auto args = std::make_tuple(
+      reinterpret_cast<const __half*>(qp), reinterpret_cast<const float*>(qsc), reinterpret_cast<const uint8_t*>(kc),
+      reinterpret_cast<const __half*>(kn), reinterpret_cast<const uint8_t*>(vc), reinterpret_cast<const __half*>(vn),
+      reinterpret_cast<float*>(out), reinterpret_cast<float*>(m_out), reinterpret_cast<float*>(l_out),
+      reinterpret_cast<const int64_t*>(lengths), (int)rows, (int)tc, (int)nsplit, (int)tokens_per_split, kc_stride,
+      vc_stride, kn_stride, vn_stride, (int)pw, (int)gp, (float)scale_log2, kt, vt);
+  if (dim == 64) std::apply([&](auto... a) { launch<64>(grid, s, a...); }, args);
+  else if (dim == 128) std::apply([&](auto... a) { launch<128>(grid, s, a...); }, args);
+  else std::apply([&](auto... a) { launch<256>(grid, s, a...); }, args);
 }
