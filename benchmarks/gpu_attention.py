@@ -6,7 +6,9 @@ Every number comes from one run on one GPU:
 - the card's streaming-read roofline, measured in the same run;
 - kernel level (one decode step of one layer): batch {1, 8, 32} x context {4k, 16k, 64k, 128k} x heads
   (32 query / 8 KV heads, head_dim 128) and (9 / 3, head_dim 64): bf16 SDPA (flash backend, GQA),
-  "dequantize the codes, then SDPA", and the kernel for tq4, tq3, k8v4 and fp4 codes; TB/s of the
+  "dequantize the codes, then SDPA", and the library's kernels (backend "auto": for tq4 codes the CUDA C++
+  kernel, for the others the Triton one) for tq4, tq3, k8v4 and fp4 codes, and the Triton kernel alone for tq4
+  ("tq4 (Triton)"); TB/s of the
   bytes each reads (bf16 K/V, or codes with their scales) against the roofline, and the kernel's error
   against float32 attention over the decoded codes; each call timed alone (CUDA events around one call
   after the previous one finished: the host's launch time included) and as GPU time (the call replayed
@@ -55,7 +57,7 @@ from _gpu import bench, gpu_time, roofline  # noqa: E402
 
 import tqindex as tq  # noqa: E402
 from tqindex.kv import DecodeGraph, TQCache  # noqa: E402
-from tqindex.kv.attention import compressed_attention, dense_attention  # noqa: E402
+from tqindex.kv.attention import _fused, compressed_attention, dense_attention  # noqa: E402
 from tqindex.kv.sessions import allocated_bytes  # noqa: E402
 from tqindex.kv.store import CompressedTokens  # noqa: E402
 
@@ -64,6 +66,9 @@ HEADS = ((32, 8, 128), (9, 3, 64))
 BATCHES = (1, 8, 32)
 CONTEXTS = (4096, 16384, 65536, 131072)
 PRESETS = {"tq4": ("tq4", "tq4"), "tq3": ("tq3", "tq3"), "k8v4": ("tq8", "tq4"), "fp4": ("fp4", "fp4")}
+KERNELS = {"tq4": ("tq4", "auto"), "tq4 (Triton)": ("tq4", "triton"), "tq3": ("tq3", "auto"),
+           "k8v4": ("k8v4", "auto"), "fp4": ("fp4", "auto")}
+"""Kernel-level columns: (preset, backend)."""
 MAX_DENSE_GB = 40
 """Kernel-level shapes whose bf16 K/V exceed this many GB are left out."""
 E2E = ((8192, 1), (32768, 1), (8192, 8), (32768, 8), (65536, 8), (32768, 32))
@@ -104,7 +109,8 @@ def kernel_rows(results: _run.Results, device: torch.device, quick: bool) -> Non
                     sdpa_ms, sdpa_gpu_ms = bench(sdpa), gpu_time(sdpa)
                 row: dict[str, Any] = {"sdpa_ms": sdpa_ms, "sdpa_TBps": dense_bytes / sdpa_ms / 1e9,
                                        "sdpa_gpu_ms": sdpa_gpu_ms, "sdpa_gpu_TBps": dense_bytes / sdpa_gpu_ms / 1e9}
-                for name, (ke, ve) in PRESETS.items():
+                for name, (preset, backend) in KERNELS.items():
+                    ke, ve = PRESETS[preset]
                     keys = compressed(tq.make_encoder(ke, d), k)  # encoded by the GPU kernels where they exist
                     values = compressed(tq.make_encoder(ve, d), v)
                     code_bytes = keys.codes.nbytes + values.codes.nbytes
@@ -114,18 +120,18 @@ def kernel_rows(results: _run.Results, device: torch.device, quick: bool) -> Non
                         return F.scaled_dot_product_attention(q, kd, vd, scale=scaling, enable_gqa=True)
 
                     entry: dict[str, Any] = {"code_bytes": code_bytes, "dequantize_sdpa_ms": bench(dequantized)}
-                    ours = lambda: compressed_attention(q, keys, values, None, scaling, backend="triton")  # noqa: E731
+                    ours = lambda: compressed_attention(q, keys, values, None, scaling, backend=backend)  # noqa: E731
                     try:
                         ms = bench(ours)
                     except ValueError as err:  # no kernel reads these codes
                         entry["kernel"] = str(err)
                     else:
                         gpu_ms = gpu_time(ours)
-                        out = compressed_attention(q, keys, values, None, scaling, backend="triton").float()
+                        out = compressed_attention(q, keys, values, None, scaling, backend=backend).float()
                         sl = slice(0, 1)  # the error on batch row 0 (the reference holds float32 copies)
                         ref = dense_attention(q[sl].float(), keys.materialize(torch.float32)[sl],
                                               values.materialize(torch.float32)[sl], None, scaling)
-                        entry.update(ms=ms, TBps=code_bytes / ms / 1e9, roofline_fraction=code_bytes / ms / 1e9 / roof,
+                        entry.update(backend=_fused(q, keys, values, None, backend), ms=ms, TBps=code_bytes / ms / 1e9, roofline_fraction=code_bytes / ms / 1e9 / roof,
                                      speedup_vs_sdpa=sdpa_ms / ms, gpu_ms=gpu_ms, gpu_TBps=code_bytes / gpu_ms / 1e9,
                                      gpu_speedup_vs_sdpa=sdpa_gpu_ms / gpu_ms,
                                      rel_error=float((out[sl] - ref).norm() / ref.norm()))
@@ -302,23 +308,26 @@ def markdown(data: dict) -> str:
              f"{env['versions'].get('transformers')}, {env['date_utc']}", "",
              f"Roofline (measured in this run): streaming read {data['roofline']['read_TBps']:.2f} TB/s.", ""]
     if data["kernel"]:
+        first = next(iter(data["kernel"].values()))
+        columns = [c for c in KERNELS if c in first]  # (older runs: no Triton column)
         lines += ["## Kernel level: one decode step of one layer", "",
-                  "| shape | bf16 SDPA ms (TB/s) | " + " | ".join(f"{p} ms (TB/s, x SDPA, error)" for p in PRESETS)
-                  + " | dequantize + SDPA tq4 ms |", "|---|--:|" + "--:|" * len(PRESETS) + "--:|"]
+                  "Kernels that ran: " + ", ".join(f"{c}: {first[c].get('backend', 'triton')}" for c in columns) + ".",
+                  "", "| shape | bf16 SDPA ms (TB/s) | " + " | ".join(f"{p} ms (TB/s, x SDPA, error)" for p in columns)
+                  + " | dequantize + SDPA tq4 ms |", "|---|--:|" + "--:|" * len(columns) + "--:|"]
         for key, row in data["kernel"].items():
             cells = [f"{e['ms']:.3f} ({e['TBps']:.2f}, {e['speedup_vs_sdpa']:.2f}x, {e['rel_error']:.1e})"
-                     for e in (row[p] for p in PRESETS)]
+                     for e in (row[p] for p in columns)]
             lines.append(f"| {key} | {row['sdpa_ms']:.3f} ({row['sdpa_TBps']:.2f}) | " + " | ".join(cells)
                          + f" | {row['tq4']['dequantize_sdpa_ms']:.3f} |")
         timed = {key: row for key, row in data["kernel"].items() if "sdpa_gpu_ms" in row}  # (older runs: none)
         if timed:
             lines += ["", "Above: each call timed alone (the host's launch time included). Below: GPU time, the call "
                       "replayed from a CUDA graph with L2 flushed before each replay (median of 50).", "",
-                      "| shape | bf16 SDPA ms (TB/s) | " + " | ".join(f"{p} ms (TB/s, x SDPA)" for p in PRESETS) + " |",
-                      "|---|--:|" + "--:|" * len(PRESETS)]
+                      "| shape | bf16 SDPA ms (TB/s) | " + " | ".join(f"{p} ms (TB/s, x SDPA)" for p in columns) + " |",
+                      "|---|--:|" + "--:|" * len(columns)]
             for key, row in timed.items():
                 cells = [f"{e['gpu_ms']:.3f} ({e['gpu_TBps']:.2f}, {e['gpu_speedup_vs_sdpa']:.2f}x)"
-                         for e in (row[p] for p in PRESETS)]
+                         for e in (row[p] for p in columns)]
                 lines.append(f"| {key} | {row['sdpa_gpu_ms']:.3f} ({row['sdpa_gpu_TBps']:.2f}) | "
                              + " | ".join(cells) + " |")
         lines.append("")
