@@ -310,9 +310,10 @@ def markdown(data: dict) -> str:
     if data["kernel"]:
         first = next(iter(data["kernel"].values()))
         columns = [c for c in KERNELS if c in first]  # (older runs: no Triton column)
-        lines += ["## Kernel level: one decode step of one layer", "",
-                  "Kernels that ran: " + ", ".join(f"{c}: {first[c].get('backend', 'triton')}" for c in columns) + ".",
-                  "", "| shape | bf16 SDPA ms (TB/s) | " + " | ".join(f"{p} ms (TB/s, x SDPA, error)" for p in columns)
+        ran = ["Kernels that ran: " + ", ".join(f"{c}: {first[c]['backend']}" for c in columns) + ".", ""] if all(
+            "backend" in first[c] for c in columns) else []  # (older runs: Triton only)
+        lines += ["## Kernel level: one decode step of one layer", "", *ran,
+                  "| shape | bf16 SDPA ms (TB/s) | " + " | ".join(f"{p} ms (TB/s, x SDPA, error)" for p in columns)
                   + " | dequantize + SDPA tq4 ms |", "|---|--:|" + "--:|" * len(columns) + "--:|"]
         for key, row in data["kernel"].items():
             cells = [f"{e['ms']:.3f} ({e['TBps']:.2f}, {e['speedup_vs_sdpa']:.2f}x, {e['rel_error']:.1e})"
