@@ -19,12 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import multiprocessors
-
 DIMS = (64, 128, 256)
 """Head dims the kernel is built for."""
-ROWS = 8
-"""Query rows per block (the kernel's ROWS)."""
 SOURCE = Path(__file__).parent / "csrc" / "attention_decode.cu"
 _DECLARATION = """
 void tq4_decode_launch(int64_t qp, int64_t qsc, int64_t kc, int64_t kn, int64_t vc, int64_t vn, int64_t out,
@@ -33,7 +29,6 @@ void tq4_decode_launch(int64_t qp, int64_t qsc, int64_t kc, int64_t kn, int64_t 
                        int64_t vc_stride, int64_t kn_stride, int64_t vn_stride, int64_t pw, int64_t gp,
                        double scale_log2, const std::vector<int64_t>& ktab, const std::vector<int64_t>& vtab,
                        int64_t dim, int64_t stream);
-int64_t tq4_decode_blocks_per_sm(int64_t dim);
 """
 
 
@@ -43,7 +38,7 @@ def _module() -> Any:
     from torch.utils.cpp_extension import load_inline
 
     return load_inline("tqindex_attention_decode", cpp_sources=_DECLARATION, cuda_sources=SOURCE.read_text(),
-                       functions=["tq4_decode_launch", "tq4_decode_blocks_per_sm"], extra_cuda_cflags=["-O3", "-std=c++17"])
+                       functions=["tq4_decode_launch"], extra_cuda_cflags=["-O3", "-std=c++17"])
 
 
 @cache
@@ -73,12 +68,6 @@ def reads(key_encoder: Any, value_encoder: Any) -> bool:
         if enc.dim not in DIMS or len(runs) != 1 or runs[0].bits != 4 or runs[0].width != enc.dim:
             return False
     return key_encoder.dim == value_encoder.dim
-
-
-@cache
-def resident_blocks(dim: int, device: torch.device) -> int:
-    """Blocks of the kernel for head dim ``dim`` that ``device`` holds at once (one wave)."""
-    return int(_module().tq4_decode_blocks_per_sm(dim)) * multiprocessors(device)
 
 
 def compressed_splits(qp: Tensor, qsc: Tensor, keys: Any, values: Any, out: Tensor, m: Tensor, l_: Tensor,

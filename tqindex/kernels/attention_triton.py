@@ -57,8 +57,6 @@ WINDOW_SPLIT = 1024
 """Window tokens per program (prefill chunks are long windows)."""
 MERGE_ROWS = 16
 """Query rows per program of the query and merge kernels (the least M of a tensor-core product)."""
-MERGE_SPLITS = 1024
-"""Splits the merge kernel reads at once times the padded head dim (8 at 128: 64 registers a thread of 8 warps)."""
 ONE_PASS_ROWS = 128
 """Query rows per program of a one-pass call (prefill chunks) that has as many: each tile of codes decoded
 serves twice the rows of a split-K program's 64."""
@@ -408,38 +406,37 @@ def _attention_kernel(
         tl.store(OUT + base[:, None] * DP + tl.arange(0, DP)[None, :], acc, mask=rmask[:, None])
 
 
+@triton.jit
+def _merge_split(acc, total, OUT, M, L, at, ok, shift, DP: tl.constexpr):
+    """Add one split's partial sums (rows at ``at``), weighted by exp(m - shift), to acc and total."""
+    m = tl.load(M + at, mask=ok, other=float("-inf"))
+    w = tl.where(m > float("-inf"), tl.exp2((m - shift) * LOG2E), 0.0)
+    part = tl.load(OUT + at[:, None] * DP + tl.arange(0, DP)[None, :], mask=ok[:, None], other=0.0)
+    return acc + part * w[:, None], total + tl.load(L + at, mask=ok, other=0.0) * w
+
+
 @triton.jit(do_not_specialize=("splits", "splits_c"))
 def _merge_kernel(OUT, M, L, MV, RES, hkv, hq, rows, nq, splits, splits_c, D: tl.constexpr, DP: tl.constexpr,
-                  BLOCK_R: tl.constexpr, SB: tl.constexpr, PRECISION: tl.constexpr):
+                  BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
     """Program (batch row x KV head ``bh``, row block): the log-sum-exp merge of the splits' partial softmaxes
-    (OUT [bh, split, rows, DP], M / L [bh, split, rows]), SB splits at a time, the compressed splits' sum
-    rotated back by MV float32 [DP, DP] (the value rotation's inverse, zero padded), plus the window splits'
-    sum, divided by the normalizer (0 for rows that see no key); written in RES's dtype to RES [B, Q, Hq, D]."""
+    (OUT [bh, split, rows, DP], M / L [bh, split, rows]), the compressed splits' sum rotated back by
+    MV float32 [DP, DP] (the value rotation's inverse, zero padded), plus the window splits' sum, divided
+    by the normalizer (0 for rows that see no key); written in RES's dtype to RES [B, Q, Hq, D]."""
     bh, rb = tl.program_id(0), tl.program_id(1)
     r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = r < rows
-    base = bh.to(tl.int64) * splits * rows + r[None, :]
+    base = bh.to(tl.int64) * splits * rows + r
     top = tl.full((BLOCK_R,), float("-inf"), tl.float32)
-    for s0 in range(0, splits, SB):
-        sp = s0 + tl.arange(0, SB)
-        at = base + sp[:, None] * rows  # [SB, BLOCK_R]
-        top = tl.maximum(top, tl.max(tl.load(M + at, mask=(sp[:, None] < splits) & ok[None, :],
-                                             other=float("-inf")), axis=0))
+    for sp in range(splits):
+        top = tl.maximum(top, tl.load(M + base + sp * rows, mask=ok, other=float("-inf")))
     shift = tl.where(top > float("-inf"), top, 0.0)
     total = tl.zeros((BLOCK_R,), tl.float32)
-    acc_c = tl.zeros((BLOCK_R, DP), tl.float32)  # the compressed splits: in the value encoder's rotated domain
-    acc_w = tl.zeros((BLOCK_R, DP), tl.float32)  # the window's
-    for s0 in range(0, splits, SB):
-        sp = s0 + tl.arange(0, SB)
-        at = base + sp[:, None] * rows
-        okm = (sp[:, None] < splits) & ok[None, :]
-        m = tl.load(M + at, mask=okm, other=float("-inf"))
-        w = tl.where(m > float("-inf"), tl.exp2((m - shift[None, :]) * LOG2E), 0.0)  # [SB, BLOCK_R]
-        total += tl.sum(tl.load(L + at, mask=okm, other=0.0) * w, axis=0)
-        part = tl.load(OUT + at[:, :, None] * DP + tl.arange(0, DP)[None, None, :], mask=okm[:, :, None], other=0.0)
-        wc = tl.where(sp[:, None] < splits_c, w, 0.0)
-        acc_c += tl.sum(part * wc[:, :, None], axis=0)
-        acc_w += tl.sum(part * (w - wc)[:, :, None], axis=0)
+    acc_c = tl.zeros((BLOCK_R, DP), tl.float32)
+    acc_w = tl.zeros((BLOCK_R, DP), tl.float32)
+    for sp in range(splits_c):  # the compressed splits: in the value encoder's rotated domain
+        acc_c, total = _merge_split(acc_c, total, OUT, M, L, base + sp * rows, ok, shift, DP)
+    for sp in range(splits_c, splits):  # the window's
+        acc_w, total = _merge_split(acc_w, total, OUT, M, L, base + sp * rows, ok, shift, DP)
     acc = _rotated_back(acc_c, MV, DP, PRECISION) + acc_w
     _store_result(acc, total, RES, bh, r, ok, hkv, hq, rows, nq, D, DP)
 
@@ -523,11 +520,6 @@ def compressed_attention_triton(q: Tensor, keys: Any, values: Any, mask: Tensor 
         block_m = ONE_PASS_ROWS
         row_blocks = cdiv(rows, block_m)
     splits_c, per = 0, BLOCK_N
-    cuda = cuda and tc and not one_pass and mask is None and softcap is None
-    if cuda:  # one wave of the CUDA kernel's blocks (equal splits: a second, partial wave would double the time)
-        from . import attention_cuda
-
-        want = max(1, attention_cuda.resident_blocks(dim, device) // (bsz * hkv * cdiv(rows, attention_cuda.ROWS)))
     if tc and not one_pass:
         per = cdiv(cdiv(tc, min(want, cdiv(tc, MIN_SPLIT_TOKENS))), BLOCK_N) * BLOCK_N
         splits_c = cdiv(tc, per)
@@ -544,8 +536,10 @@ def compressed_attention_triton(q: Tensor, keys: Any, values: Any, mask: Tensor 
     kw, vw = keys.window.contiguous(), values.window.contiguous()
     mask_t, (msb, msq, mst), mask_kind = mask_layout(mask, bsz, nq, tc + tw)
     dec = default_decode(device) if decode is None else decode
-    first = splits_c if cuda else 0
+    first = splits_c if cuda and not one_pass and mask_t is None and softcap is None else 0
     if first:
+        from . import attention_cuda
+
         attention_cuda.compressed_splits(qp, qsc, keys, values, out, m, l_, lengths, rows, splits_c, per, scaling,
                                          kr, kt, vt)
     if splits > first:
@@ -563,5 +557,5 @@ def compressed_attention_triton(q: Tensor, keys: Any, values: Any, mask: Tensor 
     if not one_pass:
         _merge_kernel[(bsz * hkv, cdiv(rows, MERGE_ROWS))](
             out, m, l_, mv, res, hkv, hq, rows, nq, splits, splits_c, D=dim, DP=dp, BLOCK_R=MERGE_ROWS,
-            SB=max(1, MERGE_SPLITS // dp), PRECISION=precision, num_warps=8)
+            PRECISION=precision, num_warps=4)
     return res.transpose(1, 2)

@@ -322,27 +322,15 @@ __global__ void __launch_bounds__(WARPS * 32) tq4_decode_kernel(
   }
 }
 
-// The kernel for head dim D, allowed its dynamic shared memory (the warps' rings, then the value sums): that size.
-template <int D>
-int prepared() {
+// The kernel for head dim D on ``stream`` with its dynamic shared memory (the warps' rings, then the value sums).
+template <int D, typename... Args>
+void launch(dim3 grid, cudaStream_t stream, Args... args) {
   constexpr int SMEM = WARPS * STAGES * Stage<D>::BYTES > WARPS * ROWS * D * 4 ? WARPS * STAGES * Stage<D>::BYTES
                                                                                : WARPS * ROWS * D * 4;
   static const bool opted = cudaFuncSetAttribute(tq4_decode_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                  SMEM) == cudaSuccess;
   (void)opted;
-  return SMEM;
-}
-
-template <int D, typename... Args>
-void launch(dim3 grid, cudaStream_t stream, Args... args) {
-  tq4_decode_kernel<D><<<grid, WARPS * 32, prepared<D>(), stream>>>(args...);
-}
-
-template <int D>
-int64_t blocks_per_sm() {
-  int n = 0;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, tq4_decode_kernel<D>, WARPS * 32, prepared<D>());
-  return n;
+  tq4_decode_kernel<D><<<grid, WARPS * 32, SMEM, stream>>>(args...);
 }
 
 }  // namespace
@@ -369,9 +357,4 @@ void tq4_decode_launch(int64_t qp, int64_t qsc, int64_t kc, int64_t kn, int64_t 
   if (dim == 64) std::apply([&](auto... a) { launch<64>(grid, s, a...); }, args);
   else if (dim == 128) std::apply([&](auto... a) { launch<128>(grid, s, a...); }, args);
   else std::apply([&](auto... a) { launch<256>(grid, s, a...); }, args);
-}
-
-// Blocks of the kernel for head dim ``dim`` resident on one multiprocessor of the current device.
-int64_t tq4_decode_blocks_per_sm(int64_t dim) {
-  return dim == 64 ? blocks_per_sm<64>() : dim == 128 ? blocks_per_sm<128>() : blocks_per_sm<256>();
 }
