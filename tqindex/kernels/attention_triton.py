@@ -57,6 +57,8 @@ WINDOW_SPLIT = 1024
 """Window tokens per program (prefill chunks are long windows)."""
 MERGE_ROWS = 16
 """Query rows per program of the query and merge kernels (the least M of a tensor-core product)."""
+MERGE_STAGES = tl.constexpr(4)
+"""Splits whose partials the merge kernel has in flight (software pipelining of its loops over splits)."""
 ONE_PASS_ROWS = 128
 """Query rows per program of a one-pass call (prefill chunks) that has as many: each tile of codes decoded
 serves twice the rows of a split-K program's 64."""
@@ -427,15 +429,15 @@ def _merge_kernel(OUT, M, L, MV, RES, hkv, hq, rows, nq, splits, splits_c, D: tl
     ok = r < rows
     base = bh.to(tl.int64) * splits * rows + r
     top = tl.full((BLOCK_R,), float("-inf"), tl.float32)
-    for sp in range(splits):
+    for sp in tl.range(splits, num_stages=MERGE_STAGES):
         top = tl.maximum(top, tl.load(M + base + sp * rows, mask=ok, other=float("-inf")))
     shift = tl.where(top > float("-inf"), top, 0.0)
     total = tl.zeros((BLOCK_R,), tl.float32)
     acc_c = tl.zeros((BLOCK_R, DP), tl.float32)
     acc_w = tl.zeros((BLOCK_R, DP), tl.float32)
-    for sp in range(splits_c):  # the compressed splits: in the value encoder's rotated domain
+    for sp in tl.range(splits_c, num_stages=MERGE_STAGES):  # the compressed splits: in the value encoder's rotated domain
         acc_c, total = _merge_split(acc_c, total, OUT, M, L, base + sp * rows, ok, shift, DP)
-    for sp in range(splits_c, splits):  # the window's
+    for sp in tl.range(splits_c, splits, num_stages=MERGE_STAGES):  # the window's
         acc_w, total = _merge_split(acc_w, total, OUT, M, L, base + sp * rows, ok, shift, DP)
     acc = _rotated_back(acc_c, MV, DP, PRECISION) + acc_w
     _store_result(acc, total, RES, bh, r, ok, hkv, hq, rows, nq, D, DP)
