@@ -61,13 +61,16 @@ def available() -> bool:
 def reads(key_encoder: Any, value_encoder: Any) -> bool:
     """Whether the kernel reads these encoders' codes: both one 4-bit run of direction codes covering every
     coordinate (two codes per byte, coordinate 2i in the low nibble of byte i) with float16 norms, dims in DIMS."""
-    for enc in (key_encoder, value_encoder):
-        if getattr(enc, "norm_dtype", None) != "float16" or not hasattr(enc, "code_runs") or not enc.is_trained:
-            return False
-        runs = enc.code_runs()
-        if enc.dim not in DIMS or len(runs) != 1 or runs[0].bits != 4 or runs[0].width != enc.dim:
-            return False
-    return key_encoder.dim == value_encoder.dim
+    return key_encoder.dim == value_encoder.dim and all(
+        enc.derived("cpu", "cuda-attention-reads", lambda e=enc: _reads(e)) for enc in (key_encoder, value_encoder))
+
+
+def _reads(enc: Any) -> bool:
+    """Whether the kernel reads ``enc``'s codes (:func:`reads`; computed once per encoder)."""
+    if getattr(enc, "norm_dtype", None) != "float16" or not hasattr(enc, "code_runs") or not enc.is_trained:
+        return False
+    runs = enc.code_runs()
+    return enc.dim in DIMS and len(runs) == 1 and runs[0].bits == 4 and runs[0].width == enc.dim
 
 
 def compressed_splits(qp: Tensor, qsc: Tensor, keys: Any, values: Any, out: Tensor, m: Tensor, l_: Tensor,
@@ -80,7 +83,8 @@ def compressed_splits(qp: Tensor, qsc: Tensor, keys: Any, values: Any, out: Tens
     place, batch-major); out float32 [B Hkv, splits, rows, D], m / l_ float32 [B Hkv, splits, rows]: the
     partials (splits >= splits_c are the window's, left to the Triton kernel); ``lengths``: None, or int64 [2]
     on the device (the valid codes are then read there); ``tokens_per_split`` a multiple of 64; ``key_layout``
-    the keys' RunLayout tuple; the tables: the prmt words of the keys' and values' magnitudes."""
+    the keys' RunLayout tuple; the tables: the prmt words of the keys' and values' magnitudes. The launch goes to
+    the current device (the caller makes it qp's)."""
     kq, vq, kn, vn = keys.codes.qdata, values.codes.qdata, keys.codes.norm, values.codes.norm
     bh, dim = qsc.shape[0] // rows, keys.encoder.dim
     _module().tq4_decode_launch(

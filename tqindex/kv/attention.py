@@ -20,6 +20,7 @@ tokens hold the queries' own).
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -84,8 +85,10 @@ def compressed_attention(
     if fused in ("triton", "cuda"):
         from ..kernels.attention_triton import compressed_attention_triton  # imports triton
 
-        return compressed_attention_triton(q, keys, values, mask, scaling, softcap, causal, lengths=keys.lengths,
-                                           cuda=fused == "cuda").to(dtype)
+        # the kernels launch on the current device: make it the tensors' (models split over several GPUs)
+        with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+            return compressed_attention_triton(q, keys, values, mask, scaling, softcap, causal, lengths=keys.lengths,
+                                               cuda=fused == "cuda").to(dtype)
     groups = hq // hkv
     qg = q.float().reshape(b, hkv, groups * nq, q.shape[-1])  # [B, Hkv, G*Q, Dk]
     state = _OnlineSoftmax(qg.shape[:3], values.shape[-1], q.device)
