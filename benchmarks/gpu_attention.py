@@ -131,7 +131,8 @@ def kernel_rows(results: _run.Results, device: torch.device, quick: bool) -> Non
                         sl = slice(0, 1)  # the error on batch row 0 (the reference holds float32 copies)
                         ref = dense_attention(q[sl].float(), keys.materialize(torch.float32)[sl],
                                               values.materialize(torch.float32)[sl], None, scaling)
-                        entry.update(backend=_fused(q, keys, values, None, backend), ms=ms, TBps=code_bytes / ms / 1e9, roofline_fraction=code_bytes / ms / 1e9 / roof,
+                        entry.update(backend=_fused(q, keys, values, None, backend), ms=ms, TBps=code_bytes / ms / 1e9,
+                                     roofline_fraction=code_bytes / ms / 1e9 / roof,
                                      speedup_vs_sdpa=sdpa_ms / ms, gpu_ms=gpu_ms, gpu_TBps=code_bytes / gpu_ms / 1e9,
                                      gpu_speedup_vs_sdpa=sdpa_gpu_ms / gpu_ms,
                                      rel_error=float((out[sl] - ref).norm() / ref.norm()))

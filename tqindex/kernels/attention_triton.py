@@ -22,11 +22,13 @@ newest tokens, causal):
 
 Each program writes its partial (m, l, sum); the merge kernel combines them by log-sum-exp, rotates the
 compressed part's sum back (one product with the inverse rotation's matrix), adds the window's and
-writes the output in the [B, Q, Hq, D] layout attention layers return. Where the row blocks alone fill
-the card (prefill chunks: thousands of query rows), each program instead takes every token of its rows,
-compressed then window (rotating its sum back in between, skipping window tokens after its rows' causal
-limit) and writes the output itself: no partials, no merge. No full-precision copy of the compressed
-history is made. The PyTorch reference is :func:`tqindex.kv.attention.compressed_attention_ref`.
+writes the output in the [B, Q, Hq, D] layout attention layers return. Where the CUDA C++ kernel reads the
+codes (:mod:`.attention_cuda`, backend "cuda"), it computes a decode step's compressed splits and this kernel
+only the window's. Where the row blocks alone fill the card (prefill chunks: thousands of query rows), each
+program instead takes every token of its rows, compressed then window (rotating its sum back in between,
+skipping window tokens after its rows' causal limit) and writes the output itself: no partials, no merge. No
+full-precision copy of the compressed history is made. The PyTorch reference is
+:func:`tqindex.kv.attention.compressed_attention_ref`.
 """
 
 from __future__ import annotations
@@ -357,13 +359,12 @@ def _attention_kernel(
     """Program (batch row x KV head ``bh``, row block, split first_split + its third index, of nsplit). ONE_PASS
     (one split): the attention of its query rows over every token, the compressed part's sum rotated back by
     MV float32 [DP, DP] (the value rotation's inverse, zero padded) before the window's is added, written to
-    RES [B, Q, Hq, D]. Else the partial
-    softmax over the split's tokens (splits < splits_c: compressed tokens; the others: window tokens), written
-    to OUT [bh, split, rows, DP] (compressed: the value encoder's rotated domain; window: plain), M_OUT /
-    L_OUT [bh, split, rows]. Side data KN / VN: the norms [bh, tokens] of direction codes, or (KFP4 / VFP4)
-    the UE8M0 group exponents [bh, tokens, KG / VG] of FP4 codes (kn_stride / vn_stride: per bh).
-    DEVICE_LENGTHS: tc and tw are read from LENGTHS int64 [2] (the valid codes and window tokens; the
-    arguments are then the capacities the grid was sized for: splits past the codes hold nothing)."""
+    RES [B, Q, Hq, D]. Else the partial softmax over the split's tokens (splits < splits_c: compressed tokens;
+    the others: window tokens), written to OUT [bh, split, rows, DP] (compressed: the value encoder's rotated
+    domain; window: plain), M_OUT / L_OUT [bh, split, rows]. Side data KN / VN: the norms [bh, tokens] of
+    direction codes, or (KFP4 / VFP4) the UE8M0 group exponents [bh, tokens, KG / VG] of FP4 codes (kn_stride /
+    vn_stride: per bh). DEVICE_LENGTHS: tc and tw are read from LENGTHS int64 [2] (the valid codes and window
+    tokens; the arguments are then the capacities the grid was sized for: splits past the codes hold nothing)."""
     if DEVICE_LENGTHS:
         tc = tl.load(LENGTHS).to(tl.int32)
         tw = tl.load(LENGTHS + 1).to(tl.int32)
@@ -435,7 +436,7 @@ def _merge_kernel(OUT, M, L, MV, RES, hkv, hq, rows, nq, splits, splits_c, D: tl
     total = tl.zeros((BLOCK_R,), tl.float32)
     acc_c = tl.zeros((BLOCK_R, DP), tl.float32)
     acc_w = tl.zeros((BLOCK_R, DP), tl.float32)
-    for sp in tl.range(splits_c, num_stages=MERGE_STAGES):  # the compressed splits: in the value encoder's rotated domain
+    for sp in tl.range(splits_c, num_stages=MERGE_STAGES):  # the compressed splits: in the values' rotated domain
         acc_c, total = _merge_split(acc_c, total, OUT, M, L, base + sp * rows, ok, shift, DP)
     for sp in tl.range(splits_c, splits, num_stages=MERGE_STAGES):  # the window's
         acc_w, total = _merge_split(acc_w, total, OUT, M, L, base + sp * rows, ok, shift, DP)
