@@ -21,6 +21,9 @@ from torch import Tensor
 
 DIMS = (64, 128, 256)
 """Head dims the kernel is built for."""
+MAX_ROWS = 16
+"""Query rows per KV head (query heads x positions) up to which a step runs the kernel: it takes blocks of 8 rows,
+each reading all codes, where the Triton kernel's blocks of 64 read them fewer times."""
 SOURCE = Path(__file__).parent / "csrc" / "attention_decode.cu"
 _DECLARATION = """
 void tq4_decode_launch(int64_t qp, int64_t qsc, int64_t kc, int64_t kn, int64_t vc, int64_t vn, int64_t out,

@@ -497,8 +497,9 @@ def compressed_attention_triton(q: Tensor, keys: Any, values: Any, mask: Tensor 
     ``lengths``: int64 [2] on q's device, the valid codes and window tokens, read by the kernel (the codes and
     the window are then buffers of that capacity and ``mask`` is None): the launches depend on the capacities
     only, so that a CUDA graph replays them as the buffers fill. ``cuda``: the compressed splits of a split-K
-    step with no mask and no soft cap are computed by the CUDA C++ kernel (:mod:`.attention_cuda`, whose
-    ``reads`` the caller checked), the window's splits by the Triton kernel."""
+    step with no mask, no soft cap and at most ``attention_cuda.MAX_ROWS`` query rows per KV head are computed by
+    the CUDA C++ kernel (:mod:`.attention_cuda`, whose ``reads`` the caller checked), the window's splits by the
+    Triton kernel."""
     bsz, hq, nq, dim = q.shape
     hkv, tc, tw = keys.shape[1], keys.codes.shape[2], keys.window.shape[2]
     rows, device = (hq // hkv) * nq, q.device
@@ -539,12 +540,14 @@ def compressed_attention_triton(q: Tensor, keys: Any, values: Any, mask: Tensor 
     kw, vw = keys.window.contiguous(), values.window.contiguous()
     mask_t, (msb, msq, mst), mask_kind = mask_layout(mask, bsz, nq, tc + tw)
     dec = default_decode(device) if decode is None else decode
-    first = splits_c if cuda and not one_pass and mask_t is None and softcap is None else 0
-    if first:
+    first = 0
+    if cuda and splits_c and not one_pass and mask_t is None and softcap is None:
         from . import attention_cuda
 
-        attention_cuda.compressed_splits(qp, qsc, keys, values, out, m, l_, lengths, rows, splits_c, per, scaling,
-                                         kr, kt, vt)
+        if rows <= attention_cuda.MAX_ROWS:
+            attention_cuda.compressed_splits(qp, qsc, keys, values, out, m, l_, lengths, rows, splits_c, per,
+                                             scaling, kr, kt, vt)
+            first = splits_c
     if splits > first:
         _attention_kernel[(bsz * hkv, row_blocks, splits - first)](
             qp, qsc, q, kq, kn, vq, vn, kw, vw, qsc if mask_t is None else mask_t, out, m, l_, mv, res,
