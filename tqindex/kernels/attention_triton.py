@@ -497,9 +497,9 @@ def compressed_attention_triton(q: Tensor, keys: Any, values: Any, mask: Tensor 
     ``lengths``: int64 [2] on q's device, the valid codes and window tokens, read by the kernel (the codes and
     the window are then buffers of that capacity and ``mask`` is None): the launches depend on the capacities
     only, so that a CUDA graph replays them as the buffers fill. ``cuda``: the compressed splits of a split-K
-    step with no mask, no soft cap and at most ``attention_cuda.MAX_ROWS`` query rows per KV head are computed by
-    the CUDA C++ kernel (:mod:`.attention_cuda`, whose ``reads`` the caller checked), the window's splits by the
-    Triton kernel."""
+    step with no mask, no soft cap, at most ``attention_cuda.MAX_ROWS`` query rows per KV head and code planes
+    that start 16-byte aligned are computed by the CUDA C++ kernel (:mod:`.attention_cuda`, whose ``reads`` the
+    caller checked), the window's splits by the Triton kernel."""
     bsz, hq, nq, dim = q.shape
     hkv, tc, tw = keys.shape[1], keys.codes.shape[2], keys.window.shape[2]
     rows, device = (hq // hkv) * nq, q.device
@@ -544,7 +544,7 @@ def compressed_attention_triton(q: Tensor, keys: Any, values: Any, mask: Tensor 
     if cuda and splits_c and not one_pass and mask_t is None and softcap is None:
         from . import attention_cuda
 
-        if rows <= attention_cuda.MAX_ROWS:
+        if rows <= attention_cuda.MAX_ROWS and kq.data_ptr() % 16 == 0 and vq.data_ptr() % 16 == 0:
             attention_cuda.compressed_splits(qp, qsc, keys, values, out, m, l_, lengths, rows, splits_c, per,
                                              scaling, kr, kt, vt)
             first = splits_c
