@@ -16,7 +16,9 @@
 // g D / 8 + 2 mt (+ 1). Codes become f16 levels by prmt lookups (the eight magnitudes' low and high bytes in four
 // registers, the sign set from the code's high bit). The probabilities' fragment (C layout, tokens on rows) becomes
 // the B operand of the second product by two movmatrix transposes. Key norms and query scales are applied to the
-// score fragment, value norms to the probabilities.
+// score fragment, value norms to the probabilities. Each warp streams its tiles through its own ring of STAGES
+// shared-memory stages filled by 16-byte cp.async copies (codes, and the 16-byte-aligned runs holding the norms):
+// STAGES - 1 tiles are in flight while one is computed.
 //
 // Each block writes its split's partial softmax (running max in natural-log units, normalizer, value sum in the
 // value encoder's rotated domain) in the layout of the Triton attention kernel's partials, which its merge kernel
