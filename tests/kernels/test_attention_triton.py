@@ -68,6 +68,18 @@ def test_cuda_decode_step(d, past, hq, hkv, nq):
         check("tq4", "tq4", 1, hq, hkv, d, past, 0, 1, cuda=True)  # no window: no Triton attention launch
 
 
+def test_the_cuda_kernel_reads_4bit_direction_codes_with_float16_norms():
+    from tqindex.kernels.attention_cuda import reads
+
+    enc = tq.make_encoder
+    assert reads(enc("tq4-unbiased", 128), enc("tq4", 128)) and reads(enc("tq4", 64), enc("tq4-norm", 64))
+    assert reads(enc("tq4", 256), enc("tq4", 256))
+    for k, v in [(enc("tq3", 128), enc("tq4", 128)), (enc("tq4", 128), enc("tq8", 128)), (enc("fp4", 128),) * 2,
+                 (enc("tq4", 96),) * 2, (enc("tq4", 64), enc("tq4", 128)),
+                 (enc("tq4", 128, norm_dtype="float32"), enc("tq4", 128))]:
+        assert not reads(k, v)
+
+
 @pytest.mark.parametrize("kenc, venc, d", [("tq4", "tq4", 128), ("tq3", "tq4", 64), ("tq8", "tq4", 64),
                                           ("tq2", "tq2", 64), ("tq4", "tq8", 96), ("tq1", "tq1", 64),
                                           ("tq3", "tq3", 128), ("tq3", "tq3", 40), ("fp4", "fp4", 64),
