@@ -25,7 +25,7 @@ from functools import cache
 
 import torch
 
-from . import native
+from . import attention_cuda, native
 
 BACKENDS = ("auto", "torch", "native", "triton", "cuda")
 ENV_VAR = "TQINDEX_BACKEND"
@@ -78,8 +78,6 @@ def can_run(backend: str, device: torch.device) -> bool:
     if backend == "triton":
         return triton_importable() and (device.type == "cuda" or (device.type == "cpu" and triton_interpreted()))
     if backend == "cuda":
-        from . import attention_cuda
-
         return device.type == "cuda" and triton_importable() and attention_cuda.available()
     return False
 

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import multiprocessors
+from . import attention_cuda, multiprocessors
 from .planes import FP4_GROUP, RunLayout, cdiv, next_power_of_2, run_layouts, to_planes
 from .scan_triton import (_groups, _level, _nibble_levels, _plane_levels, _scan_tables, default_decode,
                           prmt_tables)
@@ -542,8 +542,6 @@ def compressed_attention_triton(q: Tensor, keys: Any, values: Any, mask: Tensor 
     dec = default_decode(device) if decode is None else decode
     first = 0
     if cuda and splits_c and not one_pass and mask_t is None and softcap is None:
-        from . import attention_cuda
-
         if rows <= attention_cuda.MAX_ROWS and kq.data_ptr() % 16 == 0 and vq.data_ptr() % 16 == 0:
             attention_cuda.compressed_splits(qp, qsc, keys, values, out, m, l_, lengths, rows, splits_c, per,
                                              scaling, kr, kt, vt)

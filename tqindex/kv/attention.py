@@ -29,7 +29,6 @@ from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
 from .. import kernels
-from ..kernels import attention_cuda
 from ..kernels.planes import attention_reads
 from .store import CompressedTokens
 
@@ -134,7 +133,7 @@ def _fused(q: Tensor, keys: CompressedTokens, values: CompressedTokens, mask: Te
     readable = attention_reads(keys.encoder, values.encoder, mask)
     if prefill and kernels.requested(backend) == "auto":
         readable = False
-    gpu = ("triton", "cuda") if attention_cuda.reads(keys.encoder, values.encoder) else ("triton",)
+    gpu = ("triton", "cuda") if kernels.attention_cuda.reads(keys.encoder, values.encoder) else ("triton",)
     return kernels.select(q, backend, gpu if readable else (), "attention from these codes and this mask")
 
 
