@@ -68,15 +68,27 @@ def test_cuda_decode_step(d, past, hq, hkv, nq):
         check("tq4", "tq4", 1, hq, hkv, d, past, 0, 1, cuda=True)  # no window: no Triton attention launch
 
 
-def test_the_cuda_kernel_reads_4bit_direction_codes_with_float16_norms():
+@needs_cuda
+@pytest.mark.parametrize("kenc, venc", [("fp4", "fp4"), ("tq8", "tq4"), ("fp4", "tq4"), ("tq4", "fp4"),
+                                        ("tq8", "fp4")])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("past", [1, 129, 3017])
+@pytest.mark.parametrize("hq, hkv", [(4, 4), (3, 1), (8, 2), (16, 2)])  # G = 1, 3, 4, 8
+def test_cuda_decode_step_other_codes(kenc, venc, d, past, hq, hkv):
+    """FP4 keys and values, 8-bit keys: the CUDA C++ kernel's splits against the reference."""
+    check(kenc, venc, 2, hq, hkv, d, past, 5, 1, cuda=True)
+
+
+def test_the_cuda_kernel_reads_4bit_8bit_and_fp4_codes():
     from tqindex.kernels.attention_cuda import reads
 
     enc = tq.make_encoder
     assert reads(enc("tq4-unbiased", 128), enc("tq4", 128)) and reads(enc("tq4", 64), enc("tq4-norm", 64))
-    assert reads(enc("tq4", 256), enc("tq4", 256))
-    for k, v in [(enc("tq3", 128), enc("tq4", 128)), (enc("tq4", 128), enc("tq8", 128)), (enc("fp4", 128),) * 2,
-                 (enc("tq4", 96),) * 2, (enc("tq4", 64), enc("tq4", 128)),
-                 (enc("tq4", 128, norm_dtype="float32"), enc("tq4", 128))]:
+    assert reads(enc("tq4", 256), enc("tq4", 256)) and reads(enc("fp4", 128), enc("fp4", 128))
+    assert reads(enc("tq8", 64), enc("tq4", 64)) and reads(enc("fp4", 256), enc("tq4", 256))
+    for k, v in [(enc("tq3", 128), enc("tq4", 128)), (enc("tq4", 128), enc("tq8", 128)), (enc("tq4", 96),) * 2,
+                 (enc("tq4", 64), enc("tq4", 128)), (enc("tq4", 128, norm_dtype="float32"), enc("tq4", 128)),
+                 (enc("fp4", 128, group_size=16), enc("tq4", 128))]:
         assert not reads(k, v)
 
 
@@ -134,8 +146,9 @@ def test_fp4_groups_of_very_different_scales():
     keys, values = store.view()
     q = torch.randn(1, 4, 1, 64, generator=g).to(DEVICE).half() * 2.0**-10
     ref = compressed_attention_ref(q.float(), keys, values, None, 0.125)
-    out = compressed_attention_triton(q, keys, values, None, 0.125)
-    assert float((out.float() - ref).norm() / ref.norm()) < 2e-3
+    for cuda in (False, True) if DEVICE.type == "cuda" else (False,):
+        out = compressed_attention_triton(q, keys, values, None, 0.125, cuda=cuda)
+        assert float((out.float() - ref).norm() / ref.norm()) < 2e-3
 
 
 def test_attention_reads_fp4_of_32_element_groups_only():

@@ -8,7 +8,7 @@ Backends:
 - ``"triton"``: Triton kernels (CUDA tensors; with ``TRITON_INTERPRET=1`` also CPU tensors, slowly, for
   tests and machines without a GPU).
 - ``"cuda"``: CUDA C++ kernels built at first use by ``torch.utils.cpp_extension`` (nvcc; today the decode
-  attention over 4-bit direction codes, :mod:`.attention_cuda`); operations without one run their Triton kernel.
+  attention over 4-bit, 8-bit and FP4 codes, :mod:`.attention_cuda`); operations without one run their Triton kernel.
 - ``"auto"``: for CUDA tensors the CUDA C++ kernel where there is one and it builds, else Triton; native for
   CPU tensors; torch otherwise or where the faster backend has no kernel for the operation.
 

@@ -1,11 +1,13 @@
-"""Decode attention over 4-bit direction codes by a CUDA C++ kernel (``csrc/attention_decode.cu``, whose notes
-describe it), built at first use by ``torch.utils.cpp_extension`` (nvcc; cached by torch between processes).
+"""Decode attention over 4-bit and 8-bit codes by a CUDA C++ kernel (``csrc/attention_decode.cu``, whose notes
+describe it), built at first use by ``torch.utils.cpp_extension`` (nvcc; once per head dim and pair of code kinds,
+cached by torch between processes).
 
 It computes the compressed splits of :func:`tqindex.kernels.attention_triton.compressed_attention_triton`'s
 split-K decode step and writes their partial softmaxes where the Triton kernel would; the query rotation, the
-window's splits and the merge stay Triton. It reads keys and values that are both one 4-bit run of direction
-codes over every coordinate with float16 norms (``tq4`` and its variants) at head dims 64, 128 and 256, with no
-mask and no soft cap. The PyTorch reference is :func:`tqindex.kv.attention.compressed_attention_ref`.
+window's splits and the merge stay Triton. It reads keys that are one 4-bit or 8-bit run of direction codes over
+every coordinate with float16 norms (``tq4``, ``tq8`` and their variants) or FP4-UE8M0 codes (``fp4``), and
+values that are ``tq4`` or ``fp4`` codes, at head dims 64, 128 and 256, with no mask and no soft cap. The PyTorch
+reference is :func:`tqindex.kv.attention.compressed_attention_ref`.
 """
 
 from __future__ import annotations
@@ -24,75 +26,114 @@ DIMS = (64, 128, 256)
 MAX_ROWS = 16
 """Query rows per KV head (query heads x positions) up to which a step runs the kernel: it takes blocks of 8 rows,
 each reading all codes, where the Triton kernel's blocks of 64 read them fewer times."""
+TQ4, FP4, TQ8 = 0, 1, 2
+"""Code kinds (the kernel's ``Kind``): one 4-bit run of direction codes with float16 norms, FP4-UE8M0 codes of
+32-element groups, one 8-bit run of direction codes with float16 norms. Values are TQ4 or FP4."""
 SOURCE = Path(__file__).parent / "csrc" / "attention_decode.cu"
 _DECLARATION = """
-void tq4_decode_launch(int64_t qp, int64_t qsc, int64_t kc, int64_t kn, int64_t vc, int64_t vn, int64_t out,
-                       int64_t m_out, int64_t l_out, int64_t lengths, int64_t bh, int64_t rows, int64_t tc,
-                       int64_t splits_c, int64_t nsplit, int64_t tokens_per_split, int64_t kc_stride,
-                       int64_t vc_stride, int64_t kn_stride, int64_t vn_stride, int64_t pw, int64_t gp,
-                       double scale_log2, const std::vector<int64_t>& ktab, const std::vector<int64_t>& vtab,
-                       int64_t dim, int64_t stream);
+void decode_launch(int64_t qp, int64_t qsc, int64_t kc, int64_t ks, int64_t vc, int64_t vs, int64_t klevels,
+                   int64_t out, int64_t m_out, int64_t l_out, int64_t lengths, int64_t bh, int64_t rows, int64_t tc,
+                   int64_t splits_c, int64_t nsplit, int64_t tokens_per_split, int64_t kc_stride, int64_t vc_stride,
+                   int64_t ks_stride, int64_t vs_stride, int64_t pw, int64_t gp, double scale_log2,
+                   const std::vector<int64_t>& ktab, const std::vector<int64_t>& vtab, int64_t stream);
 """
 
 
 @cache
-def _module() -> Any:
-    """The compiled extension (built on the first call of the process; torch reuses a build of the same source)."""
+def _module(dim: int, keys: int, values: int) -> Any:
+    """The extension for head dim ``dim`` and these code kinds, or None where it does not build (warned once;
+    the Triton kernel then computes the splits). Built on the first call of the process; torch reuses a build
+    of the same source and flags."""
     from torch.utils.cpp_extension import load_inline
 
-    return load_inline("tqindex_attention_decode", cpp_sources=_DECLARATION, cuda_sources=SOURCE.read_text(),
-                       functions=["tq4_decode_launch"], extra_cuda_cflags=["-O3", "-std=c++17"])
+    flags = ["-O3", "-std=c++17", f"-DTQ_D={dim}", f"-DTQ_KEYS={keys}", f"-DTQ_VALUES={values}"]
+    try:
+        return load_inline(f"tqindex_attention_decode_d{dim}_k{keys}_v{values}", cpp_sources=_DECLARATION,
+                           cuda_sources=SOURCE.read_text(), functions=["decode_launch"], extra_cuda_cflags=flags)
+    except Exception as e:  # a compiler or toolkit problem: the Triton kernel still runs
+        warnings.warn(f"the CUDA attention kernel could not be built ({e}); attention runs the Triton kernel",
+                      RuntimeWarning, stacklevel=3)
+        return None
 
 
 @cache
 def available() -> bool:
-    """Whether the kernel runs here: a CUDA device, a CUDA build of torch, nvcc, and a successful build (a failed
-    build warns once; callers under "auto" then take the Triton kernel)."""
+    """Whether the kernel can be built here: a CUDA device, a CUDA build of torch and nvcc (a build that fails all
+    the same warns once and leaves the splits to the Triton kernel)."""
     from torch.utils.cpp_extension import CUDA_HOME
 
-    if not torch.cuda.is_available() or torch.version.cuda is None or CUDA_HOME is None:
-        return False
-    try:
-        _module()
-    except Exception as e:  # a compiler or toolkit problem: the Triton kernel still runs
-        warnings.warn(f"the CUDA attention kernel could not be built ({e}); attention runs the Triton kernel",
-                      RuntimeWarning, stacklevel=2)
-        return False
-    return True
+    return torch.cuda.is_available() and torch.version.cuda is not None and CUDA_HOME is not None
 
 
 def reads(key_encoder: Any, value_encoder: Any) -> bool:
-    """Whether the kernel reads these encoders' codes: both one 4-bit run of direction codes covering every
-    coordinate (two codes per byte, coordinate 2i in the low nibble of byte i) with float16 norms, dims in DIMS."""
-    return key_encoder.dim == value_encoder.dim and all(
-        enc.derived("cpu", "cuda-attention-reads", lambda e=enc: _reads(e)) for enc in (key_encoder, value_encoder))
+    """Whether the kernel reads these encoders' codes: keys of a code kind (:data:`TQ4`, :data:`FP4`,
+    :data:`TQ8`), values TQ4 or FP4, one dim in DIMS."""
+    kinds = [enc.derived("cpu", "cuda-attention-kind", lambda e=enc: _kind(e)) for enc in (key_encoder, value_encoder)]
+    return key_encoder.dim == value_encoder.dim and kinds[0] is not None and kinds[1] in (TQ4, FP4)
 
 
-def _reads(enc: Any) -> bool:
-    """Whether the kernel reads ``enc``'s codes (:func:`reads`; computed once per encoder)."""
+def _kind(enc: Any) -> int | None:
+    """The code kind of ``enc``'s codes (None: none the kernel reads; computed once per encoder)."""
+    if enc.dim not in DIMS:
+        return None
+    if hasattr(enc, "level_run"):
+        return FP4 if enc.group_size == 32 else None
     if getattr(enc, "norm_dtype", None) != "float16" or not hasattr(enc, "code_runs") or not enc.is_trained:
-        return False
+        return None
     runs = enc.code_runs()
-    return enc.dim in DIMS and len(runs) == 1 and runs[0].bits == 4 and runs[0].width == enc.dim
+    if len(runs) != 1 or runs[0].width != enc.dim:
+        return None
+    return {4: TQ4, 8: TQ8}.get(runs[0].bits)
+
+
+def _in_place(t: Tensor, align: int) -> bool:
+    """Whether the kernel reads ``t`` [B, Hkv, T(, n)] in place: rows (B x Hkv) at one stride, tokens dense, its
+    start and row stride multiples of ``align`` bytes."""
+    dense = t.stride(-1) == 1 and (t.dim() == 3 or t.stride(2) == t.shape[3])
+    rows = t.shape[0] == 1 or t.stride(0) == t.shape[1] * t.stride(1)
+    return dense and rows and t.data_ptr() % align == 0 and t.stride(1) * t.element_size() % align == 0
+
+
+def _side(codes: Any) -> tuple[Tensor, int]:
+    """A side's per-token data (float16 norms, or FP4's uint8 group exponents) and the alignment it needs."""
+    return (codes.norm, 2) if codes.norm is not None else (codes.scale, codes.scale.shape[-1])
+
+
+def _levels8(mags: Tensor) -> Tensor:
+    """The 256 f16 levels of 8-bit direction codes (code c < 128: -mags[127 - c], else mags[c - 128])."""
+    return torch.cat([-mags[:128].flip(0), mags[:128]]).half()
 
 
 def compressed_splits(qp: Tensor, qsc: Tensor, keys: Any, values: Any, out: Tensor, m: Tensor, l_: Tensor,
                       lengths: Tensor | None, rows: int, splits_c: int, tokens_per_split: int, scaling: float,
-                      key_layout: tuple, key_table: list[int], value_table: list[int]) -> None:
-    """Write the partial softmaxes of the compressed splits 0 .. splits_c - 1 of a split-K decode step.
+                      key_layout: tuple, key_mags: Tensor, key_table: list[int], value_table: list[int]) -> bool:
+    """Write the partial softmaxes of the compressed splits 0 .. splits_c - 1 of a split-K decode step; False
+    (nothing launched) where the step has more than MAX_ROWS rows, the codes are not laid out to be read in
+    place, or the kernel does not build.
 
     qp f16 [B Hkv rows, planes x padded groups]: the planar, scaled queries, qsc float32 [B Hkv rows] their
-    scales (the Triton query kernel's output); keys / values CompressedTokens [B, Hkv, T, D] (codes read in
-    place, batch-major); out float32 [B Hkv, splits, rows, D], m / l_ float32 [B Hkv, splits, rows]: the
-    partials (splits >= splits_c are the window's, left to the Triton kernel); ``lengths``: None, or int64 [2]
-    on the device (the valid codes are then read there); ``tokens_per_split`` a multiple of 64; ``key_layout``
-    the keys' RunLayout tuple; the tables: the prmt words of the keys' and values' magnitudes. The launch goes to
-    the current device (the caller makes it qp's)."""
-    kq, vq, kn, vn = keys.codes.qdata, values.codes.qdata, keys.codes.norm, values.codes.norm
-    bh, dim = qsc.shape[0] // rows, keys.encoder.dim
-    _module().tq4_decode_launch(
-        qp.data_ptr(), qsc.data_ptr(), kq.data_ptr(), kn.data_ptr(), vq.data_ptr(), vn.data_ptr(), out.data_ptr(),
-        m.data_ptr(), l_.data_ptr(), 0 if lengths is None else lengths.data_ptr(), bh, rows, kq.shape[2], splits_c,
-        out.shape[1], tokens_per_split, kq.stride(1), vq.stride(1), kn.stride(1), vn.stride(1), qp.shape[1],
-        key_layout[4], scaling * math.log2(math.e), key_table, value_table, dim,
-        torch.cuda.current_stream(qp.device).cuda_stream)
+    scales (the Triton query kernel's output); keys / values CompressedTokens [B, Hkv, T, D] of encoders the
+    kernel ``reads``; out float32 [B Hkv, splits, rows, D], m / l_ float32 [B Hkv, splits, rows]: the partials
+    (splits >= splits_c are the window's, left to the Triton kernel); ``lengths``: None, or int64 [2] on the
+    device (the valid codes are then read there); ``tokens_per_split`` a multiple of 64; ``key_layout`` the keys'
+    RunLayout tuple, ``key_mags`` their magnitudes on the device; the tables: the prmt words of the keys' and
+    values' 4-bit magnitudes. The launch goes to the current device (the caller makes it qp's)."""
+    kind = [enc.derived("cpu", "cuda-attention-kind", lambda e=enc: _kind(e)) for enc in (keys.encoder,
+                                                                                             values.encoder)]
+    (kside, kalign), (vside, valign) = _side(keys.codes), _side(values.codes)
+    kq, vq, dim = keys.codes.qdata, values.codes.qdata, keys.encoder.dim
+    if rows > MAX_ROWS or not all(_in_place(*x) for x in ((kq, 16), (vq, 16), (kside, kalign), (vside, valign))):
+        return False
+    module = _module(dim, *kind)
+    if module is None:
+        return False
+    levels = 0
+    if kind[0] == TQ8:
+        levels = keys.encoder.derived(qp.device, "cuda-attention-levels", lambda: _levels8(key_mags)).data_ptr()
+    module.decode_launch(
+        qp.data_ptr(), qsc.data_ptr(), kq.data_ptr(), kside.data_ptr(), vq.data_ptr(), vside.data_ptr(), levels,
+        out.data_ptr(), m.data_ptr(), l_.data_ptr(), 0 if lengths is None else lengths.data_ptr(), qsc.shape[0] // rows,
+        rows, kq.shape[2], splits_c, out.shape[1], tokens_per_split, kq.stride(1), vq.stride(1),
+        kside.stride(1) * kside.element_size(), vside.stride(1) * vside.element_size(), qp.shape[1], key_layout[4],
+        scaling * math.log2(math.e), key_table, value_table, torch.cuda.current_stream(qp.device).cuda_stream)
+    return True

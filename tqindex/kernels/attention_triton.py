@@ -497,9 +497,9 @@ def compressed_attention_triton(q: Tensor, keys: Any, values: Any, mask: Tensor 
     ``lengths``: int64 [2] on q's device, the valid codes and window tokens, read by the kernel (the codes and
     the window are then buffers of that capacity and ``mask`` is None): the launches depend on the capacities
     only, so that a CUDA graph replays them as the buffers fill. ``cuda``: the compressed splits of a split-K
-    step with no mask, no soft cap, at most ``attention_cuda.MAX_ROWS`` query rows per KV head and code planes
-    that start 16-byte aligned are computed by the CUDA C++ kernel (:mod:`.attention_cuda`, whose ``reads`` the
-    caller checked), the window's splits by the Triton kernel."""
+    step with no mask and no soft cap are computed by the CUDA C++ kernel where it runs them
+    (:func:`.attention_cuda.compressed_splits`, whose ``reads`` the caller checked), the window's splits by the
+    Triton kernel."""
     bsz, hq, nq, dim = q.shape
     hkv, tc, tw = keys.shape[1], keys.codes.shape[2], keys.window.shape[2]
     rows, device = (hq // hkv) * nq, q.device
@@ -542,9 +542,8 @@ def compressed_attention_triton(q: Tensor, keys: Any, values: Any, mask: Tensor 
     dec = default_decode(device) if decode is None else decode
     first = 0
     if cuda and splits_c and not one_pass and mask_t is None and softcap is None:
-        if rows <= attention_cuda.MAX_ROWS and kq.data_ptr() % 16 == 0 and vq.data_ptr() % 16 == 0:
-            attention_cuda.compressed_splits(qp, qsc, keys, values, out, m, l_, lengths, rows, splits_c, per,
-                                             scaling, kr, kt, vt)
+        if attention_cuda.compressed_splits(qp, qsc, keys, values, out, m, l_, lengths, rows, splits_c, per, scaling,
+                                            kr, kmag, kt, vt):
             first = splits_c
     if splits > first:
         _attention_kernel[(bsz * hkv, row_blocks, splits - first)](

@@ -1,4 +1,7 @@
-// Split-K decode attention over 4-bit direction codes (tq4 keys and values with float16 norms), CUDA C++.
+// Split-K decode attention over 4-bit value codes and 4- or 8-bit key codes, CUDA C++. Built once per head dim D
+// and pair of code kinds (macros TQ_D, TQ_KEYS, TQ_VALUES): keys are 4-bit direction codes with float16 norms
+// (tq4), FP4 E2M1 codes with UE8M0 exponents per group of 32 (fp4) or 8-bit direction codes with float16 norms
+// (tq8); values are tq4 or fp4 codes.
 //
 // A block takes one (batch row x KV head, block of up to 8 query rows, split of the compressed tokens); each of its
 // WARPS warps takes every WARPS-th tile of 16 tokens of the split and keeps its own online softmax. Tokens are on
@@ -7,18 +10,21 @@
 //   scores^T [16 tokens, 8 rows] = K [16 tokens, D] . Q^T [D, 8 rows]       (K decoded in registers: operand A)
 //   out^T    [D, 8 rows]        += V^T [D, 16 tokens] . P [16 tokens, 8 rows] (V decoded in registers: operand A)
 //
-// The codes stay in the cache's own layout (token rows of D / 2 bytes, coordinate 2i in the low nibble of byte i).
-// A product's sum over its k dimension may take the coordinates (tokens) in any order as long as both operands take
-// the same one, so each thread loads contiguous bytes: for K, thread (g = lane / 4, t = lane % 4) holds rows g and
-// g + 8 of the tile and bytes [t D / 8, (t + 1) D / 8) of each, its k-step ks covering coordinates t D / 4 + 4 ks
-// .. + 3 (the queries are loaded in the same order); for V, thread (g, t) holds tokens 2t, 2t + 1, 2t + 8, 2t + 9
-// and bytes [g D / 16, (g + 1) D / 16) of each, the output row g (g + 8) of m-tile mt being coordinate
-// g D / 8 + 2 mt (+ 1). Codes become f16 levels by prmt lookups (the eight magnitudes' low and high bytes in four
-// registers, the sign set from the code's high bit). The probabilities' fragment (C layout, tokens on rows) becomes
-// the B operand of the second product by two movmatrix transposes. Key norms and query scales are applied to the
+// The codes stay in the cache's own layout (token rows of D / 2 bytes, coordinate 2i in the low nibble of byte i;
+// 8-bit: D bytes, coordinate i in byte i). A product's sum over its k dimension may take the coordinates (tokens)
+// in any order as long as both operands take the same one, so each thread loads contiguous bytes: for K, thread
+// (g = lane / 4, t = lane % 4) holds rows g and g + 8 of the tile and the codes of coordinates [t D / 4,
+// (t + 1) D / 4) of each, its k-step ks covering coordinates t D / 4 + 4 ks .. + 3 (the queries are loaded in the
+// same order); for V, thread (g, t) holds tokens 2t, 2t + 1, 2t + 8, 2t + 9 and bytes [g D / 16, (g + 1) D / 16) of
+// each, the output row g (g + 8) of m-tile mt being coordinate g D / 8 + 2 mt (+ 1). 4-bit codes become f16 levels
+// by prmt lookups (the eight magnitudes' low and high bytes in four registers, the sign set from the code's high
+// bit); 8-bit codes by a 256-entry table in shared memory, one copy per bank so that a warp's 32 lookups never
+// conflict. FP4 levels are multiplied (f16x2) by 2^(group exponent - the token's largest), exact down to 2^-24,
+// and 2^(largest - 127) is folded like a norm. The probabilities' fragment (C layout, tokens on rows) becomes the
+// B operand of the second product by two movmatrix transposes. Key norms and query scales are applied to the
 // score fragment, value norms to the probabilities. Each warp streams its tiles through its own ring of STAGES
-// shared-memory stages filled by 16-byte cp.async copies (codes, and the 16-byte-aligned runs holding the norms):
-// STAGES - 1 tiles are in flight while one is computed.
+// shared-memory stages filled by 16-byte cp.async copies (codes, and the 16-byte-aligned runs holding the side
+// data): STAGES - 1 tiles are in flight while one is computed.
 //
 // Each block writes its split's partial softmax (running max in natural-log units, normalizer, value sum in the
 // value encoder's rotated domain) in the layout of the Triton attention kernel's partials, which its merge kernel
@@ -26,16 +32,46 @@
 
 #include <cuda_fp16.h>
 #include <cstdint>
-#include <tuple>
 #include <vector>
+
+#ifndef TQ_D
+#define TQ_D 128
+#endif
+#ifndef TQ_KEYS
+#define TQ_KEYS 0
+#endif
+#ifndef TQ_VALUES
+#define TQ_VALUES 0
+#endif
 
 namespace {
 
+enum Kind { TQ4 = 0, FP4 = 1, TQ8 = 2 };  // code kinds (TQ_KEYS: any; TQ_VALUES: TQ4 or FP4)
+
+constexpr int D = TQ_D;
+constexpr int KEYS = TQ_KEYS, VALUES = TQ_VALUES;
 constexpr int WARPS = 4;
 constexpr int TILE = 16;  // tokens per warp step
 constexpr int ROWS = 8;   // query rows per block (the N of the products)
-constexpr int STAGES = 4;  // tiles a warp's ring holds (STAGES - 1 copies in flight while one is computed)
+constexpr int STAGES = KEYS == TQ8 ? 3 : 4;  // tiles a warp's ring holds (STAGES - 1 copies in flight)
+constexpr int MT = D / 16;  // m-tiles of the value product, k-steps of the key product
+constexpr int GROUPS = D / 32;  // FP4 scale groups of a token
+constexpr int KROW = KEYS == TQ8 ? D : D / 2, VROW = D / 2;  // code bytes of a token's key, value
+constexpr int KSIDE = KEYS == FP4 ? GROUPS : 2, VSIDE = VALUES == FP4 ? GROUPS : 2;  // side bytes of a token
 constexpr float LN2 = 0.6931471805599453f;
+
+// One stage of a warp's ring in shared memory: the key codes of a tile's 16 tokens, their value codes, then the
+// 16-byte units holding the keys' side data (at any 16-byte offset: one unit more than its bytes), the values'.
+struct Stage {
+  static constexpr int KCODES = TILE * KROW, VCODES = TILE * VROW;
+  static constexpr int KUNITS = KSIDE + 1, VUNITS = VSIDE + 1;
+  static constexpr int KSIDE_AT = KCODES + VCODES, VSIDE_AT = KSIDE_AT + 16 * KUNITS;
+  static constexpr int BYTES = VSIDE_AT + 16 * VUNITS;
+};
+constexpr int RINGS = WARPS * STAGES * Stage::BYTES;
+constexpr int TABLE = KEYS == TQ8 ? 256 * 32 * 4 : 0;  // the 8-bit levels, a 4-byte slot per code and bank
+constexpr int SUMS = WARPS * ROWS * D * 4;  // the warps' value sums (reusing the rings at the end)
+constexpr int SMEM = RINGS + TABLE > SUMS ? RINGS + TABLE : SUMS;
 
 struct Table {
   uint32_t lo0, lo1, hi0, hi1;  // low bytes of magnitudes 0-3, 4-7; high bytes of 0-3, 4-7 (f16, ascending)
@@ -48,11 +84,19 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t s) {
 }
 
 // The f16 levels of the eight 4-bit codes of w (code c in bits 4c..4c+3): low bytes of codes 0-3 in la, high bytes
-// in ha, codes 4-7 in lb / hb. A code below 8 is negative with magnitude index 7 - c, else positive with c - 8.
+// in ha, codes 4-7 in lb / hb. Direction codes: a code below 8 is negative with magnitude index 7 - c, else
+// positive with c - 8. E2M1: bit 3 is the sign, bits 0-2 the magnitude index.
+template <bool E2M1>
 __device__ __forceinline__ void lookup(uint32_t w, const Table& t, uint32_t& la, uint32_t& ha, uint32_t& lb,
                                        uint32_t& hb) {
-  const uint32_t neg = ~w & 0x88888888u;
-  const uint32_t m = (w & 0x77777777u) ^ (neg - (neg >> 3));  // magnitude indices, one per nibble
+  uint32_t neg, m;
+  if constexpr (E2M1) {
+    neg = w & 0x88888888u;
+    m = w & 0x77777777u;
+  } else {
+    neg = ~w & 0x88888888u;
+    m = (w & 0x77777777u) ^ (neg - (neg >> 3));  // magnitude indices, one per nibble
+  }
   la = prmt(t.lo0, t.lo1, m);
   ha = prmt(t.hi0, t.hi1, m);
   lb = prmt(t.lo0, t.lo1, m >> 16);
@@ -60,6 +104,11 @@ __device__ __forceinline__ void lookup(uint32_t w, const Table& t, uint32_t& la,
   const uint32_t s = neg >> 1;  // selector 4 (byte 0x80) where negative, 0 (byte 0) elsewhere
   ha |= prmt(0u, 0x80808080u, s);
   hb |= prmt(0u, 0x80808080u, s >> 16);
+}
+
+// f16 levels of bytes ``at`` and at + 1 of w (8-bit codes) from this lane's copy of the table.
+__device__ __forceinline__ uint32_t levels8(const uint16_t* tab, uint32_t w, int at) {
+  return tab[prmt(w, 0u, 0x4440 + at) * 64] | uint32_t(tab[prmt(w, 0u, 0x4441 + at) * 64]) << 16;
 }
 
 __device__ __forceinline__ void mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
@@ -79,6 +128,45 @@ __device__ __forceinline__ uint32_t transposed(uint32_t x) {
 __device__ __forceinline__ uint32_t half2_bits(float lo, float hi) {
   __half2 h = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&h);
+}
+
+__device__ __forceinline__ uint32_t mul2(uint32_t a, uint32_t b) {  // f16x2 product
+  uint32_t d;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// 2^k for k <= 0 as f16 bits (0 below 2^-24).
+__device__ __forceinline__ uint32_t pow2_half(int k) {
+  return k >= -14 ? uint32_t(k + 15) << 10 : k >= -24 ? 1u << (k + 24) : 0u;
+}
+
+// The largest of the N bytes at p (N-byte aligned): a token's largest UE8M0 group exponent.
+template <int N>
+__device__ __forceinline__ int largest(const uint8_t* p) {
+  uint32_t w;
+  if constexpr (N == 2) {
+    w = *reinterpret_cast<const uint16_t*>(p);
+  } else if constexpr (N == 4) {
+    w = *reinterpret_cast<const uint32_t*>(p);
+  } else {
+    const uint2 v = *reinterpret_cast<const uint2*>(p);
+    w = __vmaxu4(v.x, v.y);
+  }
+  w = __vmaxu4(w, w >> 16);
+  return (int)max(w & 0xffu, (w >> 8) & 0xffu);
+}
+
+// The factor a token's side data ``p`` folds on its scores (probabilities): its float16 norm, or (FP4)
+// 2^(largest exponent - 127), setting ``top`` to that exponent.
+template <bool E2M1>
+__device__ __forceinline__ float token_factor(const uint8_t* p, int& top) {
+  if constexpr (E2M1) {
+    top = largest<GROUPS>(p);
+    return __int_as_float(top ? top << 23 : 0x400000);  // 2^(top - 127), subnormal for top = 0
+  } else {
+    return __half2float(*reinterpret_cast<const __half*>(p));
+  }
 }
 
 __device__ __forceinline__ void copy16(uint32_t dst, const void* src, int bytes) {  // bytes < 16: zero-filled
@@ -102,63 +190,68 @@ __device__ __forceinline__ void lds(const uint8_t* p, uint32_t (&w)[N]) {
   }
 }
 
-// One stage of a warp's ring in shared memory: the codes of a tile's 16 tokens (keys, then values, D / 2 bytes a
-// token), then the 16-byte-aligned 48 bytes holding its 16 key norms, then those holding its value norms.
-template <int D>
-struct Stage {
-  static constexpr int CODES = TILE * D / 2;
-  static constexpr int BYTES = 2 * CODES + 96;
-};
+// Copy the units u (of 16 bytes) of rows of ROW bytes from ``src`` to ``dst`` for the tile at token t0: rows past
+// t_hi zero-filled.
+template <int ROW>
+__device__ __forceinline__ void issue_codes(uint32_t dst, const uint8_t* src, int t0, int t_hi, int lane) {
+  for (int u = lane; u < TILE * ROW / 16; u += 32)
+    copy16(dst + 16 * u, src + (int64_t)t0 * ROW + 16 * u, t0 + u / (ROW / 16) < t_hi ? 16 : 0);
+}
 
-// Issue the copies of the tile at token t0 (rows past t_hi zero-filled; norm bytes past token t_hi not read).
-template <int D>
+// Issue the copies of the tile at token t0: codes, then the 16-byte-aligned units holding its side data (bytes
+// past token t_hi not read).
 __device__ __forceinline__ void issue_tile(uint32_t stage, int t0, int t_hi, const uint8_t* kc, const uint8_t* vc,
-                                           const __half* kn, const __half* vn, int lane) {
-  constexpr int UNITS = Stage<D>::CODES / 16, ROW_UNITS = D / 32;
-  for (int u = lane; u < UNITS; u += 32) {
-    const int64_t at = (int64_t)t0 * (D / 2) + 16 * u;
-    const int bytes = t0 + u / ROW_UNITS < t_hi ? 16 : 0;
-    copy16(stage + 16 * u, kc + at, bytes);
-    copy16(stage + Stage<D>::CODES + 16 * u, vc + at, bytes);
-  }
-  if (lane < 6) {
-    const __half* n = lane < 3 ? kn : vn;
-    const uintptr_t first = reinterpret_cast<uintptr_t>(n + t0) & ~uintptr_t(15), end = (uintptr_t)(n + t_hi);
-    const uintptr_t unit = first + 16 * (lane % 3);
-    const int bytes = unit >= end ? 0 : (int)min(end - unit, uintptr_t(16));
-    copy16(stage + 2 * Stage<D>::CODES + 48 * (lane / 3) + 16 * (lane % 3), bytes ? (const void*)unit : n, bytes);
+                                           const uint8_t* ks, const uint8_t* vs, int lane) {
+  issue_codes<KROW>(stage, kc, t0, t_hi, lane);
+  issue_codes<VROW>(stage + Stage::KCODES, vc, t0, t_hi, lane);
+  if (lane < Stage::KUNITS + Stage::VUNITS) {
+    const bool key = lane < Stage::KUNITS;
+    const int unit = key ? lane : lane - Stage::KUNITS, per = key ? KSIDE : VSIDE;
+    const uint8_t* side = key ? ks : vs;
+    const uintptr_t first = reinterpret_cast<uintptr_t>(side + (int64_t)t0 * per) & ~uintptr_t(15);
+    const uintptr_t at = first + 16 * unit, end = reinterpret_cast<uintptr_t>(side + (int64_t)t_hi * per);
+    const int bytes = at >= end ? 0 : (int)min(end - at, uintptr_t(16));
+    copy16(stage + (key ? Stage::KSIDE_AT : Stage::VSIDE_AT) + 16 * unit, bytes ? (const void*)at : side, bytes);
   }
 }
 
-template <int D>
-__global__ void __launch_bounds__(WARPS * 32) tq4_decode_kernel(
+__global__ void __launch_bounds__(WARPS * 32) decode_kernel(
     const __half* __restrict__ qp, const float* __restrict__ qsc, const uint8_t* __restrict__ kc,
-    const __half* __restrict__ kn, const uint8_t* __restrict__ vc, const __half* __restrict__ vn,
-    float* __restrict__ out, float* __restrict__ m_out, float* __restrict__ l_out, const int64_t* __restrict__ lengths,
-    int rows, int tc, int nsplit, int tokens_per_split, int64_t kc_stride, int64_t vc_stride, int64_t kn_stride,
-    int64_t vn_stride, int pw, int gp, float scale_log2, Table kt, Table vt) {
-  constexpr int MT = D / 16;  // m-tiles of the value product, k-steps of the key product
+    const uint8_t* __restrict__ ks, const uint8_t* __restrict__ vc, const uint8_t* __restrict__ vs,
+    const uint16_t* __restrict__ klevels, float* __restrict__ out, float* __restrict__ m_out,
+    float* __restrict__ l_out, const int64_t* __restrict__ lengths, int rows, int tc, int nsplit,
+    int tokens_per_split, int64_t kc_stride, int64_t vc_stride, int64_t ks_stride, int64_t vs_stride, int pw, int gp,
+    float scale_log2, Table kt, Table vt) {
   const int bh = blockIdx.x, rb = blockIdx.y, sp = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   if (lengths != nullptr) tc = (int)lengths[0];
   const int t_lo = sp * tokens_per_split, t_hi = min(t_lo + tokens_per_split, tc);
   kc += bh * kc_stride;
   vc += bh * vc_stride;
-  kn += bh * kn_stride;
-  vn += bh * vn_stride;
+  ks += bh * ks_stride;
+  vs += bh * vs_stride;
 
-  // the queries as B operands: row rb * 8 + g, coordinates t D / 4 + 4 ks + (0, 1) and (2, 3) (planar order:
-  // coordinate c at column (c % 2) * gp + c / 2)
+  extern __shared__ __align__(16) uint8_t smem[];
+  const uint16_t* tab = reinterpret_cast<const uint16_t*>(smem + RINGS) + 2 * lane;  // this lane's bank
+  if constexpr (KEYS == TQ8) {  // the code c's level for bank b in the 4-byte slot 32 c + b
+    uint32_t* slots = reinterpret_cast<uint32_t*>(smem + RINGS);
+    for (int i = threadIdx.x; i < 256 * 32; i += WARPS * 32) slots[i] = klevels[i / 32];
+    __syncthreads();
+  }
+
+  // the queries as B operands: row rb * 8 + g, coordinates t D / 4 + 4 ks + (0, 1) and (2, 3) (planar order of
+  // 4-bit codes: coordinate c at column (c % 2) * gp + c / 2; of 8-bit codes: column c)
   uint32_t qb[MT][2];
   const int row = rb * ROWS + g;
   const __half* q = qp + ((int64_t)bh * rows + row) * pw;
 #pragma unroll
-  for (int ks = 0; ks < MT; ++ks) {
+  for (int k = 0; k < MT; ++k) {
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      const int c = t * (D / 4) + 4 * ks + 2 * j;  // even
-      __half2 h = row < rows ? __halves2half2(q[c / 2], q[gp + c / 2]) : __float2half2_rn(0.f);
-      qb[ks][j] = *reinterpret_cast<uint32_t*>(&h);
+      const int c = t * (D / 4) + 4 * k + 2 * j;  // even
+      __half2 h = __float2half2_rn(0.f);
+      if (row < rows) h = KEYS == TQ8 ? __halves2half2(q[c], q[c + 1]) : __halves2half2(q[c / 2], q[gp + c / 2]);
+      qb[k][j] = *reinterpret_cast<uint32_t*>(&h);
     }
   }
   // score factors of this thread's columns 2t, 2t + 1
@@ -175,52 +268,79 @@ __global__ void __launch_bounds__(WARPS * 32) tq4_decode_kernel(
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // log2 units; l: this thread's tokens only
 
   // this warp's tiles t_lo + (warp + WARPS i) TILE, i < n, through its ring of STAGES stages (STAGES - 1 in flight)
-  extern __shared__ __align__(16) uint8_t ring[];
-  uint8_t* mine = ring + warp * STAGES * Stage<D>::BYTES;
+  uint8_t* mine = smem + warp * STAGES * Stage::BYTES;
   const uint32_t mine_s = (uint32_t)__cvta_generic_to_shared(mine);
   const int first = t_lo + warp * TILE, n = first < t_hi ? (t_hi - first + WARPS * TILE - 1) / (WARPS * TILE) : 0;
-  const int kn_off = (int)(reinterpret_cast<uintptr_t>(kn) & 15), vn_off = (int)(reinterpret_cast<uintptr_t>(vn) & 15);
+  const int ks_off = (int)(reinterpret_cast<uintptr_t>(ks) & 15), vs_off = (int)(reinterpret_cast<uintptr_t>(vs) & 15);
 #pragma unroll
   for (int i = 0; i < STAGES - 1; ++i) {
-    if (i < n) issue_tile<D>(mine_s + i * Stage<D>::BYTES, first + i * WARPS * TILE, t_hi, kc, vc, kn, vn, lane);
+    if (i < n) issue_tile(mine_s + i * Stage::BYTES, first + i * WARPS * TILE, t_hi, kc, vc, ks, vs, lane);
     asm volatile("cp.async.commit_group;" ::: "memory");
   }
   for (int it = 0; it < n; ++it) {
     const int t0 = first + it * WARPS * TILE;
     if (it + STAGES - 1 < n)
-      issue_tile<D>(mine_s + (it + STAGES - 1) % STAGES * Stage<D>::BYTES, t0 + (STAGES - 1) * WARPS * TILE, t_hi,
-                    kc, vc, kn, vn, lane);
+      issue_tile(mine_s + (it + STAGES - 1) % STAGES * Stage::BYTES, t0 + (STAGES - 1) * WARPS * TILE, t_hi, kc, vc,
+                 ks, vs, lane);
     asm volatile("cp.async.commit_group;" ::: "memory");
     asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 1) : "memory");
     __syncwarp();
-    const uint8_t* st = mine + it % STAGES * Stage<D>::BYTES;
-    constexpr int KW = D / 32, VW = D / 64 > 0 ? D / 64 : 1;  // words of a key (value) row a thread reads
+    const uint8_t* st = mine + it % STAGES * Stage::BYTES;
+    const uint8_t* kside = st + Stage::KSIDE_AT + ks_off;
+    const uint8_t* vside = st + Stage::VSIDE_AT + vs_off;
+    constexpr int KW = KROW / 16, VW = D / 64 > 0 ? D / 64 : 1;  // words of a key (value) row a thread reads
+    constexpr int KG = D / 128 > 0 ? D / 128 : 1;  // FP4 key groups a thread's words cover
     uint32_t kw[2][KW], vw[4][VW];  // key rows g, g + 8; value tokens 2t, 2t + 1, 2t + 8, 2t + 9
     float knorm[2], vnorm[2];  // tokens g, g + 8 (0 past the split)
+    uint32_t kf[2][KG];  // FP4 keys: f16x2 factors of rows g, g + 8 in groups t D / 128 (+ 1)
+    uint32_t vf[2];  // FP4 values: f16x2 factors of tokens (2t, 2t + 1), (2t + 8, 2t + 9) in group g D / 256
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      lds(st + (g + 8 * r) * (D / 2) + t * (D / 8), kw[r]);
-      const bool ok = t0 + g + 8 * r < t_hi;
-      const uint8_t* norms = st + 2 * Stage<D>::CODES + 2 * (g + 8 * r);
-      knorm[r] = ok ? __half2float(*reinterpret_cast<const __half*>(norms + kn_off)) : 0.f;
-      vnorm[r] = ok ? __half2float(*reinterpret_cast<const __half*>(norms + 48 + vn_off)) : 0.f;
+      const int i = g + 8 * r;
+      lds(st + i * KROW + t * (KROW / 4), kw[r]);
+      const bool ok = t0 + i < t_hi;
+      int ktop = 0, vtop = 0;
+      knorm[r] = ok ? token_factor<KEYS == FP4>(kside + i * KSIDE, ktop) : 0.f;
+      vnorm[r] = ok ? token_factor<VALUES == FP4>(vside + i * VSIDE, vtop) : 0.f;
+      if constexpr (KEYS == FP4) {
+#pragma unroll
+        for (int x = 0; x < KG; ++x) kf[r][x] = pow2_half(kside[i * KSIDE + t * D / 128 + x] - ktop) * 0x10001u;
+      }
     }
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
-      lds(st + Stage<D>::CODES + (2 * t + (r & 1) + 8 * (r >> 1)) * (D / 2) + g * (D / 16), vw[r]);
+      const int i = 2 * t + (r & 1) + 8 * (r >> 1);
+      lds(st + Stage::KCODES + i * VROW + g * (D / 16), vw[r]);
+      if constexpr (VALUES == FP4) {
+        int top = 0;
+        token_factor<true>(vside + i * VSIDE, top);
+        const uint32_t f = pow2_half(vside[i * VSIDE + g * D / 256] - top);
+        vf[r >> 1] = r & 1 ? vf[r >> 1] | f << 16 : f;
+      }
     }
     __syncwarp();  // the stage is read: the next iteration's copies may overwrite it
 
     float s[4] = {0.f, 0.f, 0.f, 0.f};  // (token g, column 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)
+    if constexpr (KEYS == TQ8) {
 #pragma unroll
-    for (int j = 0; j < KW; ++j) {
-      uint32_t la, ha, lb, hb, lc, hc, ld, hd;
-      lookup(kw[0][j], kt, la, ha, lb, hb);
-      lookup(kw[1][j], kt, lc, hc, ld, hd);
-      mma(s, prmt(la, ha, 0x5140), prmt(lc, hc, 0x5140), prmt(la, ha, 0x7362), prmt(lc, hc, 0x7362),
-          qb[2 * j][0], qb[2 * j][1]);
-      mma(s, prmt(lb, hb, 0x5140), prmt(ld, hd, 0x5140), prmt(lb, hb, 0x7362), prmt(ld, hd, 0x7362),
-          qb[2 * j + 1][0], qb[2 * j + 1][1]);
+      for (int j = 0; j < KW; ++j)
+        mma(s, levels8(tab, kw[0][j], 0), levels8(tab, kw[1][j], 0), levels8(tab, kw[0][j], 2),
+            levels8(tab, kw[1][j], 2), qb[j][0], qb[j][1]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < KW; ++j) {
+        uint32_t la, ha, lb, hb, lc, hc, ld, hd;
+        lookup<KEYS == FP4>(kw[0][j], kt, la, ha, lb, hb);
+        lookup<KEYS == FP4>(kw[1][j], kt, lc, hc, ld, hd);
+        uint32_t a[8] = {prmt(la, ha, 0x5140), prmt(lc, hc, 0x5140), prmt(la, ha, 0x7362), prmt(lc, hc, 0x7362),
+                         prmt(lb, hb, 0x5140), prmt(ld, hd, 0x5140), prmt(lb, hb, 0x7362), prmt(ld, hd, 0x7362)};
+        if constexpr (KEYS == FP4) {
+#pragma unroll
+          for (int x = 0; x < 8; ++x) a[x] = mul2(a[x], kf[x & 1][j / 4]);
+        }
+        mma(s, a[0], a[1], a[2], a[3], qb[2 * j][0], qb[2 * j][1]);
+        mma(s, a[4], a[5], a[6], a[7], qb[2 * j + 1][0], qb[2 * j + 1][1]);
+      }
     }
     // online softmax per column (query row); tokens past the split score -inf
     float mx[2];
@@ -267,15 +387,17 @@ __global__ void __launch_bounds__(WARPS * 32) tq4_decode_kernel(
       for (int h = 0; h < 2; ++h) {  // bytes 0-1, then 2-3 of word j: m-tiles 4j + 2h, 4j + 2h + 1
         const uint32_t sel = h ? 0x7362 : 0x5140;
         uint32_t la, ha, lb, hb, lc, hc, ld, hd;
-        lookup(prmt(vw[0][j], vw[1][j], sel), vt, la, ha, lb, hb);
-        lookup(prmt(vw[2][j], vw[3][j], sel), vt, lc, hc, ld, hd);
+        lookup<VALUES == FP4>(prmt(vw[0][j], vw[1][j], sel), vt, la, ha, lb, hb);
+        lookup<VALUES == FP4>(prmt(vw[2][j], vw[3][j], sel), vt, lc, hc, ld, hd);
+        uint32_t a[8] = {prmt(la, ha, 0x6240), prmt(la, ha, 0x7351), prmt(lc, hc, 0x6240), prmt(lc, hc, 0x7351),
+                         prmt(lb, hb, 0x6240), prmt(lb, hb, 0x7351), prmt(ld, hd, 0x6240), prmt(ld, hd, 0x7351)};
+        if constexpr (VALUES == FP4) {
+#pragma unroll
+          for (int x = 0; x < 8; ++x) a[x] = mul2(a[x], vf[(x >> 1) & 1]);
+        }
         const int mt = 4 * j + 2 * h;
-        if (mt < MT)
-          mma(acc[mt], prmt(la, ha, 0x6240), prmt(la, ha, 0x7351), prmt(lc, hc, 0x6240), prmt(lc, hc, 0x7351),
-              pb0, pb1);
-        if (mt + 1 < MT)
-          mma(acc[mt + 1], prmt(lb, hb, 0x6240), prmt(lb, hb, 0x7351), prmt(ld, hd, 0x6240),
-              prmt(ld, hd, 0x7351), pb0, pb1);
+        if (mt < MT) mma(acc[mt], a[0], a[1], a[2], a[3], pb0, pb1);
+        if (mt + 1 < MT) mma(acc[mt + 1], a[4], a[5], a[6], a[7], pb0, pb1);
       }
     }
   }
@@ -284,7 +406,7 @@ __global__ void __launch_bounds__(WARPS * 32) tq4_decode_kernel(
   __shared__ float sm_m[WARPS][ROWS], sm_l[WARPS][ROWS];
   asm volatile("cp.async.wait_group 0;" ::: "memory");
   __syncthreads();  // every warp is done with its ring, which now holds the value sums
-  float(*sm_acc)[ROWS][D] = reinterpret_cast<float(*)[ROWS][D]>(ring);
+  float(*sm_acc)[ROWS][D] = reinterpret_cast<float(*)[ROWS][D]>(smem);
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
 #pragma unroll
@@ -324,39 +446,26 @@ __global__ void __launch_bounds__(WARPS * 32) tq4_decode_kernel(
   }
 }
 
-// The kernel for head dim D on ``stream`` with its dynamic shared memory (the warps' rings, then the value sums).
-template <int D, typename... Args>
-void launch(dim3 grid, cudaStream_t stream, Args... args) {
-  constexpr int SMEM = WARPS * STAGES * Stage<D>::BYTES > WARPS * ROWS * D * 4 ? WARPS * STAGES * Stage<D>::BYTES
-                                                                               : WARPS * ROWS * D * 4;
-  static const bool opted = cudaFuncSetAttribute(tq4_decode_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                 SMEM) == cudaSuccess;
-  (void)opted;
-  tq4_decode_kernel<D><<<grid, WARPS * 32, SMEM, stream>>>(args...);
-}
-
 }  // namespace
 
 // Launch over grid (bh, row blocks, the splits_c compressed splits of the nsplit partials) on ``stream``: pointers
-// and the stream as integers (device addresses, cudaStream_t), the prmt table words of the keys' and the values'
-// magnitudes (four each).
-void tq4_decode_launch(int64_t qp, int64_t qsc, int64_t kc, int64_t kn, int64_t vc, int64_t vn, int64_t out,
-                       int64_t m_out, int64_t l_out, int64_t lengths, int64_t bh, int64_t rows, int64_t tc,
-                       int64_t splits_c, int64_t nsplit, int64_t tokens_per_split, int64_t kc_stride,
-                       int64_t vc_stride, int64_t kn_stride, int64_t vn_stride, int64_t pw, int64_t gp,
-                       double scale_log2, const std::vector<int64_t>& ktab, const std::vector<int64_t>& vtab,
-                       int64_t dim, int64_t stream) {
+// and the stream as integers (device addresses, cudaStream_t; ``klevels``: the 256 f16 levels of 8-bit key codes,
+// else unused), strides in bytes, the prmt table words of the keys' and the values' 4-bit magnitudes (four each).
+void decode_launch(int64_t qp, int64_t qsc, int64_t kc, int64_t ks, int64_t vc, int64_t vs, int64_t klevels,
+                   int64_t out, int64_t m_out, int64_t l_out, int64_t lengths, int64_t bh, int64_t rows, int64_t tc,
+                   int64_t splits_c, int64_t nsplit, int64_t tokens_per_split, int64_t kc_stride, int64_t vc_stride,
+                   int64_t ks_stride, int64_t vs_stride, int64_t pw, int64_t gp, double scale_log2,
+                   const std::vector<int64_t>& ktab, const std::vector<int64_t>& vtab, int64_t stream) {
+  static const bool opted =
+      cudaFuncSetAttribute(decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM) == cudaSuccess;
+  (void)opted;
   const dim3 grid((unsigned)bh, (unsigned)((rows + ROWS - 1) / ROWS), (unsigned)splits_c);
   const Table kt{(uint32_t)ktab[0], (uint32_t)ktab[1], (uint32_t)ktab[2], (uint32_t)ktab[3]};
   const Table vt{(uint32_t)vtab[0], (uint32_t)vtab[1], (uint32_t)vtab[2], (uint32_t)vtab[3]};
-  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  const auto args = std::make_tuple(
+  decode_kernel<<<grid, WARPS * 32, SMEM, reinterpret_cast<cudaStream_t>(stream)>>>(
       reinterpret_cast<const __half*>(qp), reinterpret_cast<const float*>(qsc), reinterpret_cast<const uint8_t*>(kc),
-      reinterpret_cast<const __half*>(kn), reinterpret_cast<const uint8_t*>(vc), reinterpret_cast<const __half*>(vn),
-      reinterpret_cast<float*>(out), reinterpret_cast<float*>(m_out), reinterpret_cast<float*>(l_out),
-      reinterpret_cast<const int64_t*>(lengths), (int)rows, (int)tc, (int)nsplit, (int)tokens_per_split, kc_stride,
-      vc_stride, kn_stride, vn_stride, (int)pw, (int)gp, (float)scale_log2, kt, vt);
-  if (dim == 64) std::apply([&](auto... a) { launch<64>(grid, s, a...); }, args);
-  else if (dim == 128) std::apply([&](auto... a) { launch<128>(grid, s, a...); }, args);
-  else std::apply([&](auto... a) { launch<256>(grid, s, a...); }, args);
+      reinterpret_cast<const uint8_t*>(ks), reinterpret_cast<const uint8_t*>(vc), reinterpret_cast<const uint8_t*>(vs),
+      reinterpret_cast<const uint16_t*>(klevels), reinterpret_cast<float*>(out), reinterpret_cast<float*>(m_out),
+      reinterpret_cast<float*>(l_out), reinterpret_cast<const int64_t*>(lengths), (int)rows, (int)tc, (int)nsplit,
+      (int)tokens_per_split, kc_stride, vc_stride, ks_stride, vs_stride, (int)pw, (int)gp, (float)scale_log2, kt, vt);
 }
