@@ -92,6 +92,29 @@ def test_the_cuda_kernel_reads_4bit_8bit_and_fp4_codes():
         assert not reads(k, v)
 
 
+def test_the_cuda_kernel_reads_codes_in_place_only():
+    """Rows (batch x KV head) at one stride, dense tokens, aligned starts; else the Triton kernel runs the splits."""
+    from tqindex.kernels.attention_cuda import _in_place
+
+    codes = torch.zeros(2, 3, 10, 64, dtype=torch.uint8)
+    assert _in_place(codes, 16) and _in_place(codes[:1, 1:], 16) and _in_place(codes[:, :, 2:], 16)
+    assert not _in_place(codes[:, 1:], 16)  # batch rows no longer one head stride apart
+    assert not _in_place(codes[..., 1:], 16) and not _in_place(codes[..., :32], 16)  # misaligned, sparse tokens
+    assert not _in_place(codes.transpose(1, 2), 16)
+    scales = torch.zeros(2, 3, 10, 4, dtype=torch.uint8)
+    assert _in_place(scales, 4) and not _in_place(scales[:, :, :, 1:], 3)
+
+
+def test_8bit_key_levels_are_the_codebook():
+    """The CUDA kernel's table of 8-bit key levels (code c -> level) is the encoder's codebook in f16."""
+    from tqindex.kernels.attention_cuda import _levels8
+    from tqindex.kernels.scan_triton import _scan_tables
+
+    enc = tq.make_encoder("tq8", 64)
+    _, mags, _ = _scan_tables(enc, torch.device("cpu"))
+    assert torch.equal(_levels8(mags), enc.code_runs()[0].centroids.half())
+
+
 @pytest.mark.parametrize("kenc, venc, d", [("tq4", "tq4", 128), ("tq3", "tq4", 64), ("tq8", "tq4", 64),
                                           ("tq2", "tq2", 64), ("tq4", "tq8", 96), ("tq1", "tq1", 64),
                                           ("tq3", "tq3", 128), ("tq3", "tq3", 40), ("fp4", "fp4", 64),

@@ -68,12 +68,17 @@ def available() -> bool:
 def reads(key_encoder: Any, value_encoder: Any) -> bool:
     """Whether the kernel reads these encoders' codes: keys of a code kind (:data:`TQ4`, :data:`FP4`,
     :data:`TQ8`), values TQ4 or FP4, one dim in DIMS."""
-    kinds = [enc.derived("cpu", "cuda-attention-kind", lambda e=enc: _kind(e)) for enc in (key_encoder, value_encoder)]
+    kinds = _kinds(key_encoder, value_encoder)
     return key_encoder.dim == value_encoder.dim and kinds[0] is not None and kinds[1] in (TQ4, FP4)
 
 
+def _kinds(key_encoder: Any, value_encoder: Any) -> list[int | None]:
+    """The code kinds of the keys' and the values' encoders (:func:`_kind`, computed once per encoder)."""
+    return [enc.derived("cpu", "cuda-attention-kind", lambda e=enc: _kind(e)) for enc in (key_encoder, value_encoder)]
+
+
 def _kind(enc: Any) -> int | None:
-    """The code kind of ``enc``'s codes (None: none the kernel reads; computed once per encoder)."""
+    """The code kind of ``enc``'s codes (None: none the kernel reads)."""
     if enc.dim not in DIMS:
         return None
     if hasattr(enc, "level_run"):
@@ -118,8 +123,7 @@ def compressed_splits(qp: Tensor, qsc: Tensor, keys: Any, values: Any, out: Tens
     device (the valid codes are then read there); ``tokens_per_split`` a multiple of 64; ``key_layout`` the keys'
     RunLayout tuple, ``key_mags`` their magnitudes on the device; the tables: the prmt words of the keys' and
     values' 4-bit magnitudes. The launch goes to the current device (the caller makes it qp's)."""
-    kind = [enc.derived("cpu", "cuda-attention-kind", lambda e=enc: _kind(e)) for enc in (keys.encoder,
-                                                                                             values.encoder)]
+    kind = _kinds(keys.encoder, values.encoder)
     (kside, kalign), (vside, valign) = _side(keys.codes), _side(values.codes)
     kq, vq, dim = keys.codes.qdata, values.codes.qdata, keys.encoder.dim
     if rows > MAX_ROWS or not all(_in_place(*x) for x in ((kq, 16), (vq, 16), (kside, kalign), (vside, valign))):
