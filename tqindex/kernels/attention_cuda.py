@@ -29,6 +29,9 @@ each reading all codes, where the Triton kernel's blocks of 64 read them fewer t
 TQ4, FP4, TQ8 = 0, 1, 2
 """Code kinds (the kernel's ``Kind``): one 4-bit run of direction codes with float16 norms, FP4-UE8M0 codes of
 32-element groups, one 8-bit run of direction codes with float16 norms. Values are TQ4 or FP4."""
+STAGES = {TQ4: 4, FP4: 4, TQ8: 3}
+"""Tiles of 16 tokens in each warp's shared-memory ring (STAGES - 1 in flight), by key kind (8-bit keys: the
+level table takes 32 KiB of the block's shared memory)."""
 SOURCE = Path(__file__).parent / "csrc" / "attention_decode.cu"
 _DECLARATION = """
 void decode_launch(int64_t qp, int64_t qsc, int64_t kc, int64_t ks, int64_t vc, int64_t vs, int64_t klevels,
@@ -40,15 +43,16 @@ void decode_launch(int64_t qp, int64_t qsc, int64_t kc, int64_t ks, int64_t vc, 
 
 
 @cache
-def _module(dim: int, keys: int, values: int) -> Any:
-    """The extension for head dim ``dim`` and these code kinds, or None where it does not build (warned once;
-    the Triton kernel then computes the splits). Built on the first call of the process; torch reuses a build
-    of the same source and flags."""
+def _module(dim: int, keys: int, values: int, stages: int) -> Any:
+    """The extension for head dim ``dim``, these code kinds and rings of ``stages`` tiles, or None where it does
+    not build (warned once; the Triton kernel then computes the splits). Built on the first call of the process;
+    torch reuses a build of the same source and flags."""
     from torch.utils.cpp_extension import load_inline
 
-    flags = ["-O3", "-std=c++17", f"-DTQ_D={dim}", f"-DTQ_KEYS={keys}", f"-DTQ_VALUES={values}"]
+    flags = ["-O3", "-std=c++17"] + [f"-DTQ_{k}={v}" for k, v in
+                                     (("D", dim), ("KEYS", keys), ("VALUES", values), ("STAGES", stages))]
     try:
-        return load_inline(f"tqindex_attention_decode_d{dim}_k{keys}_v{values}", cpp_sources=_DECLARATION,
+        return load_inline(f"tqindex_attention_decode_d{dim}_k{keys}_v{values}_s{stages}", cpp_sources=_DECLARATION,
                            cuda_sources=SOURCE.read_text(), functions=["decode_launch"], extra_cuda_cflags=flags)
     except Exception as e:  # a compiler or toolkit problem: the Triton kernel still runs
         warnings.warn(f"the CUDA attention kernel could not be built ({e}); attention runs the Triton kernel",
@@ -128,7 +132,7 @@ def compressed_splits(qp: Tensor, qsc: Tensor, keys: Any, values: Any, out: Tens
     kq, vq, dim = keys.codes.qdata, values.codes.qdata, keys.encoder.dim
     if rows > MAX_ROWS or not all(_in_place(*x) for x in ((kq, 16), (vq, 16), (kside, kalign), (vside, valign))):
         return False
-    module = _module(dim, *kind)
+    module = _module(dim, *kind, STAGES[kind[0]])
     if module is None:
         return False
     levels = 0

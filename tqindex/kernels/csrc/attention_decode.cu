@@ -1,7 +1,7 @@
-// Split-K decode attention over 4-bit value codes and 4- or 8-bit key codes, CUDA C++. Built once per head dim D
-// and pair of code kinds (macros TQ_D, TQ_KEYS, TQ_VALUES): keys are 4-bit direction codes with float16 norms
-// (tq4), FP4 E2M1 codes with UE8M0 exponents per group of 32 (fp4) or 8-bit direction codes with float16 norms
-// (tq8); values are tq4 or fp4 codes.
+// Split-K decode attention over 4-bit value codes and 4- or 8-bit key codes, CUDA C++. Built once per head dim
+// D, pair of code kinds and ring depth (macros TQ_D, TQ_KEYS, TQ_VALUES, TQ_STAGES): keys are 4-bit direction
+// codes with float16 norms (tq4), FP4 E2M1 codes with UE8M0 exponents per group of 32 (fp4) or 8-bit direction
+// codes with float16 norms (tq8); values are tq4 or fp4 codes.
 //
 // A block takes one (batch row x KV head, block of up to 8 query rows, split of the compressed tokens); each of its
 // WARPS warps takes every WARPS-th tile of 16 tokens of the split and keeps its own online softmax. Tokens are on
@@ -43,6 +43,9 @@
 #ifndef TQ_VALUES
 #define TQ_VALUES 0
 #endif
+#ifndef TQ_STAGES
+#define TQ_STAGES 4
+#endif
 
 namespace {
 
@@ -53,7 +56,7 @@ constexpr int KEYS = TQ_KEYS, VALUES = TQ_VALUES;
 constexpr int WARPS = 4;
 constexpr int TILE = 16;  // tokens per warp step
 constexpr int ROWS = 8;   // query rows per block (the N of the products)
-constexpr int STAGES = KEYS == TQ8 ? 3 : 4;  // tiles a warp's ring holds (STAGES - 1 copies in flight)
+constexpr int STAGES = TQ_STAGES;  // tiles a warp's ring holds (STAGES - 1 copies in flight)
 constexpr int MT = D / 16;  // m-tiles of the value product, k-steps of the key product
 constexpr int GROUPS = D / 32;  // FP4 scale groups of a token
 constexpr int KROW = KEYS == TQ8 ? D : D / 2, VROW = D / 2;  // code bytes of a token's key, value
