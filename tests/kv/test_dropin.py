@@ -17,7 +17,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 from tiny import (  # noqa: E402
-    CACHE_KW, VOCAB, attention_for, compressed_layers, forward, generate, llama_config, make_cache, prompt, seeded,
+    CACHE_KW, CLEAR, VOCAB, assert_greedy_matches, attention_for, compressed_layers, exact_greedy, forward, generate,
+    llama_config, make_cache, prompt, seeded,
 )  # fmt: skip
 from transformers import BartConfig, BartForConditionalGeneration, DynamicCache, EncoderDecoderCache  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
@@ -170,11 +171,11 @@ def test_pickle_and_deepcopy(llama, kind):
 def test_cache_built_without_config(llama, kind):
     """``TQCache()`` as ``DynamicCache()``: layers added at their first update; the protected last layer is
     found at the second forward pass, before anything in it was compressed."""
-    ids = prompt()
-    expected = generate(llama, DynamicCache(config=llama.config), "sdpa", input_ids=ids)
+    ids = prompt(seed=CLEAR)
+    expected, clear = exact_greedy(llama, ids)
     cache = make_cache(kind)
     assert len(cache) == 0
-    assert torch.equal(generate(llama, cache, "sdpa", input_ids=ids), expected)
+    assert_greedy_matches(generate(llama, cache, "sdpa", input_ids=ids), expected, clear, ids.shape[1])
     assert len(cache) == 4 and cache.get_seq_length() == expected.shape[1] - 1
     if kind == "tq8":
         assert [type(layer) for layer in cache.layers] == [DynamicLayer, TQLayer, TQLayer, DynamicLayer]

@@ -17,6 +17,12 @@ from tqindex.kv.hf import ATTN_IMPLEMENTATION, TQLayer
 VOCAB = 128
 CACHE_KW = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
 """Name of the cache argument of the installed transformers."""
+MARGIN = 0.05
+"""Top-2 logit gap of the exact model under which a tq8 cache's greedy token may differ (its logits stay within
+2e-2 of the exact ones): greedy comparisons stop at the first such near tie."""
+CLEAR = 28
+"""A :func:`prompt` seed whose 20 greedy tokens on the tiny Llama have no near tie (gaps >= 0.09), so that the
+comparisons cover them all; near ties are frequent in so small a model and flip with the CPU's arithmetic."""
 
 
 def seeded(model_cls: type, config) -> torch.nn.Module:
@@ -65,6 +71,31 @@ def generate(model, cache, impl: str = ATTN_IMPLEMENTATION, seed: int | None = N
         torch.manual_seed(seed)
     kw = {"max_new_tokens": 20, "do_sample": False, **kw}
     return model.generate(**{CACHE_KW: cache}, **kw)
+
+
+def exact_greedy(model, ids: torch.Tensor, **kw) -> tuple[torch.Tensor, int]:
+    """Greedy decoding with a DynamicCache under sdpa: (the sequences, the steps before the first near tie of
+    any row, :data:`MARGIN`)."""
+    out = generate(model, DynamicCache(config=model.config), "sdpa", input_ids=ids, output_scores=True,
+                   return_dict_in_generate=True, **kw)
+    return out.sequences, clear_steps(list(out.scores))
+
+
+def clear_steps(logits: list[torch.Tensor]) -> int:
+    """Steps (logits [B, vocab] each) before the first whose top-2 logits of some row are within MARGIN."""
+    for i, step in enumerate(logits):
+        top = step.topk(2).values
+        if bool((top[:, 0] - top[:, 1] < MARGIN).any()):
+            return i
+    return len(logits)
+
+
+def assert_greedy_matches(got: torch.Tensor, exact: torch.Tensor, clear: int, prompt_length: int, least: int = 8):
+    """``got`` [B, T] has ``exact``'s tokens up to the exact model's first near tie (``clear`` steps after the
+    prompt), which leaves at least ``least`` tokens to compare."""
+    assert clear >= least, f"only {clear} greedy steps before a near tie"
+    n = prompt_length + clear
+    assert torch.equal(got[:, :n], exact[:, :n])
 
 
 def forward(model, ids: torch.Tensor, cache, **kw):
