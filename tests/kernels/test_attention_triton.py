@@ -92,6 +92,24 @@ def test_the_cuda_kernel_reads_4bit_8bit_and_fp4_codes():
         assert not reads(k, v)
 
 
+def test_a_failed_cuda_build_warns_once_and_leaves_the_splits_to_triton(monkeypatch):
+    import torch.utils.cpp_extension as cpp
+
+    from tqindex.kernels import attention_cuda
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("nvcc exited with 1")
+
+    monkeypatch.setattr(cpp, "load_inline", broken)
+    attention_cuda._module.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="could not be built.*nvcc exited"):
+            assert attention_cuda._module(128, attention_cuda.TQ4, attention_cuda.TQ4, 4) is None
+        assert attention_cuda._module(128, attention_cuda.TQ4, attention_cuda.TQ4, 4) is None  # cached: no warning
+    finally:
+        attention_cuda._module.cache_clear()
+
+
 def test_the_cuda_kernel_reads_codes_in_place_only():
     """Rows (batch x KV head) at one stride, dense tokens, aligned starts; else the Triton kernel runs the splits."""
     from tqindex.kernels.attention_cuda import _in_place
