@@ -64,7 +64,8 @@ constexpr int KSIDE = KEYS == FP4 ? GROUPS : 2, VSIDE = VALUES == FP4 ? GROUPS :
 constexpr float LN2 = 0.6931471805599453f;
 
 // One stage of a warp's ring in shared memory: the key codes of a tile's 16 tokens, their value codes, then the
-// 16-byte units holding the keys' side data (at any 16-byte offset: one unit more than its bytes), the values'.
+// 16-byte units holding the keys' side data (which may start anywhere in a unit: one unit more than its bytes),
+// the values'.
 struct Stage {
   static constexpr int KCODES = TILE * KROW, VCODES = TILE * VROW;
   static constexpr int KUNITS = KSIDE + 1, VUNITS = VSIDE + 1;
