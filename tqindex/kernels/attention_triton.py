@@ -410,40 +410,36 @@ def _attention_kernel(
 
 
 @triton.jit
-def _merge_split(acc, other, top, total, OUT, M, L, at, ok, DP: tl.constexpr):
-    """One split's partial (rows at ``at``) into the online merge: acc [rows, DP] and total the sums and the
-    normalizer weighted by exp(m - top), ``other`` (the other range's sums) rescaled with them as ``top`` grows
-    -> (acc, other, top, total)."""
+def _merge_split(acc, total, OUT, M, L, at, ok, shift, DP: tl.constexpr):
+    """Add one split's partial sums (rows at ``at``), weighted by exp(m - shift), to acc and total."""
     m = tl.load(M + at, mask=ok, other=float("-inf"))
-    new = tl.maximum(top, m)
-    shift = tl.where(new > float("-inf"), new, 0.0)
-    alpha = tl.exp2((top - shift) * LOG2E)  # 0 while nothing was merged
-    w = tl.exp2((m - shift) * LOG2E)
+    w = tl.where(m > float("-inf"), tl.exp2((m - shift) * LOG2E), 0.0)
     part = tl.load(OUT + at[:, None] * DP + tl.arange(0, DP)[None, :], mask=ok[:, None], other=0.0)
-    acc = acc * alpha[:, None] + part * w[:, None]
-    return acc, other * alpha[:, None], new, total * alpha + tl.load(L + at, mask=ok, other=0.0) * w
+    return acc + part * w[:, None], total + tl.load(L + at, mask=ok, other=0.0) * w
 
 
 @triton.jit(do_not_specialize=("splits", "splits_c"))
 def _merge_kernel(OUT, M, L, MV, RES, hkv, hq, rows, nq, splits, splits_c, D: tl.constexpr, DP: tl.constexpr,
                   BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
     """Program (batch row x KV head ``bh``, row block): the log-sum-exp merge of the splits' partial softmaxes
-    (OUT [bh, split, rows, DP], M / L [bh, split, rows]) in one online pass over the splits, the compressed
-    splits' sum rotated back by MV float32 [DP, DP] (the value rotation's inverse, zero padded), plus the window
-    splits' sum, divided by the normalizer (0 for rows that see no key); written in RES's dtype to
-    RES [B, Q, Hq, D]."""
+    (OUT [bh, split, rows, DP], M / L [bh, split, rows]), the compressed splits' sum rotated back by
+    MV float32 [DP, DP] (the value rotation's inverse, zero padded), plus the window splits' sum, divided
+    by the normalizer (0 for rows that see no key); written in RES's dtype to RES [B, Q, Hq, D]."""
     bh, rb = tl.program_id(0), tl.program_id(1)
     r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = r < rows
     base = bh.to(tl.int64) * splits * rows + r
     top = tl.full((BLOCK_R,), float("-inf"), tl.float32)
+    for sp in tl.range(splits, num_stages=MERGE_STAGES):
+        top = tl.maximum(top, tl.load(M + base + sp * rows, mask=ok, other=float("-inf")))
+    shift = tl.where(top > float("-inf"), top, 0.0)
     total = tl.zeros((BLOCK_R,), tl.float32)
     acc_c = tl.zeros((BLOCK_R, DP), tl.float32)
     acc_w = tl.zeros((BLOCK_R, DP), tl.float32)
     for sp in tl.range(splits_c, num_stages=MERGE_STAGES):  # the compressed splits: in the values' rotated domain
-        acc_c, acc_w, top, total = _merge_split(acc_c, acc_w, top, total, OUT, M, L, base + sp * rows, ok, DP)
+        acc_c, total = _merge_split(acc_c, total, OUT, M, L, base + sp * rows, ok, shift, DP)
     for sp in tl.range(splits_c, splits, num_stages=MERGE_STAGES):  # the window's
-        acc_w, acc_c, top, total = _merge_split(acc_w, acc_c, top, total, OUT, M, L, base + sp * rows, ok, DP)
+        acc_w, total = _merge_split(acc_w, total, OUT, M, L, base + sp * rows, ok, shift, DP)
     acc = _rotated_back(acc_c, MV, DP, PRECISION) + acc_w
     _store_result(acc, total, RES, bh, r, ok, hkv, hq, rows, nq, D, DP)
 
