@@ -316,9 +316,7 @@ __global__ void __launch_bounds__(WARPS * 32) decode_kernel(
       const int i = 2 * t + (r & 1) + 8 * (r >> 1);
       lds(st + Stage::KCODES + i * VROW + g * (D / 16), vw[r]);
       if constexpr (VALUES == FP4) {
-        int top = 0;
-        token_factor<true>(vside + i * VSIDE, top);
-        const uint32_t f = pow2_half(vside[i * VSIDE + g * D / 256] - top);
+        const uint32_t f = pow2_half(vside[i * VSIDE + g * D / 256] - largest<GROUPS>(vside + i * VSIDE));
         vf[r >> 1] = r & 1 ? vf[r >> 1] | f << 16 : f;
       }
     }
