@@ -59,13 +59,28 @@ def test_decode_step(past, hq, hkv):
 @pytest.mark.parametrize("hq, hkv, nq", [(4, 4, 1), (3, 1, 1), (8, 2, 1), (16, 2, 1), (32, 8, 1), (24, 2, 1),
                                          (8, 2, 3)])  # G = 1, 3, 4, 8, 4, 12 (two row blocks); 3 queries
 def test_cuda_decode_step(d, past, hq, hkv, nq):
-    """The CUDA C++ kernel's compressed splits with the Triton window splits and merge, against the reference."""
+    """The CUDA C++ kernel's compressed splits with the Triton window splits, against the reference."""
     from tqindex.kernels import attention_cuda
 
     assert attention_cuda.reads(tq.make_encoder("tq4-unbiased", d), tq.make_encoder("tq4", d))
     check("tq4-unbiased", "tq4", 2, hq, hkv, d, past, 5, nq, cuda=True)
     if past == 3017:
         check("tq4", "tq4", 1, hq, hkv, d, past, 0, 1, cuda=True)  # no window: no Triton attention launch
+
+
+@needs_cuda
+@pytest.mark.parametrize("past", [129, 3017, 40000])
+@pytest.mark.parametrize("hq, hkv", [(4, 1), (24, 2)])
+@pytest.mark.parametrize("merged_by", ["cuda", "triton"])
+def test_cuda_decode_step_merges(monkeypatch, past, hq, hkv, merged_by):
+    """The CUDA kernel merges the splits of steps with few (batch row x KV head) pairs, at most MAX_SPLITS of them
+    (40k tokens at batch 1 would take more); the Triton merge kernel those of the other steps."""
+    from tqindex.kernels import attention_cuda
+
+    if merged_by == "triton":
+        monkeypatch.setattr(attention_cuda, "MERGE_SLOTS", 0)
+    assert attention_cuda.merges(1 * hkv, hq // hkv) == (merged_by == "cuda")
+    check("tq4", "tq4", 1, hq, hkv, 64, past, 5, 1, cuda=True)
 
 
 @needs_cuda

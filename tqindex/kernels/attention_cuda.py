@@ -3,11 +3,13 @@ describe it), built at first use by ``torch.utils.cpp_extension`` (nvcc; once pe
 cached by torch between processes).
 
 It computes the compressed splits of :func:`tqindex.kernels.attention_triton.compressed_attention_triton`'s
-split-K decode step and writes their partial softmaxes where the Triton kernel would; the query rotation, the
-window's splits and the merge stay Triton. It reads keys that are one 4-bit or 8-bit run of direction codes over
-every coordinate with float16 norms (``tq4``, ``tq8`` and their variants) or FP4-UE8M0 codes (``fp4``), and
-values that are ``tq4`` or ``fp4`` codes, at head dims 64, 128 and 256, with no mask and no soft cap. The PyTorch
-reference is :func:`tqindex.kv.attention.compressed_attention_ref`.
+split-K decode step and writes their partial softmaxes where the Triton kernel would; where a step has few batch
+rows x KV heads (:func:`merges`), the last block of each batch row x KV head x row block also merges them with the
+window's (computed before by the Triton kernel) into the output. The query rotation (which also zeroes the merge's
+counters), the window's splits and the other steps' merge stay Triton. It reads keys that are one 4-bit or 8-bit
+run of direction codes over every coordinate with float16 norms (``tq4``, ``tq8`` and their variants) or FP4-UE8M0
+codes (``fp4``), and values that are ``tq4`` or ``fp4`` codes, at head dims 64, 128 and 256, with no mask and no
+soft cap. The PyTorch reference is :func:`tqindex.kv.attention.compressed_attention_ref`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,12 @@ from torch import Tensor
 
 DIMS = (64, 128, 256)
 """Head dims the kernel is built for."""
+ROWS = 8
+"""Query rows per block of the kernel."""
+MAX_SPLITS = 128
+"""Splits (compressed and window) a step the kernel merges may have: the merge's weights live in shared memory."""
+MERGE_SLOTS = 16
+"""Batch rows x KV heads x row blocks up to which the kernel also merges the splits (:func:`merges`)."""
 MAX_ROWS = 16
 """Query rows per KV head (query heads x positions) up to which a step runs the kernel: it takes blocks of 8 rows,
 each reading all codes, where the Triton kernel's blocks of 64 read them fewer times."""
@@ -38,7 +46,8 @@ void decode_launch(int64_t qp, int64_t qsc, int64_t kc, int64_t ks, int64_t vc, 
                    int64_t out, int64_t m_out, int64_t l_out, int64_t lengths, int64_t bh, int64_t rows, int64_t tc,
                    int64_t splits_c, int64_t nsplit, int64_t tokens_per_split, int64_t kc_stride, int64_t vc_stride,
                    int64_t ks_stride, int64_t vs_stride, int64_t pw, int64_t gp, double scale_log2,
-                   const std::vector<int64_t>& ktab, const std::vector<int64_t>& vtab, int64_t stream);
+                   const std::vector<int64_t>& ktab, const std::vector<int64_t>& vtab, int64_t mv, int64_t res,
+                   bool res_bf16, int64_t counters, int64_t hkv, int64_t hq, int64_t nq, int64_t stream);
 """
 
 
@@ -113,35 +122,55 @@ def _levels8(mags: Tensor) -> Tensor:
     return torch.cat([-mags[:128].flip(0), mags[:128]]).half()
 
 
-def compressed_splits(qp: Tensor, qsc: Tensor, keys: Any, values: Any, out: Tensor, m: Tensor, l_: Tensor,
-                      lengths: Tensor | None, rows: int, splits_c: int, tokens_per_split: int, scaling: float,
-                      key_layout: tuple, key_mags: Tensor, key_table: list[int], value_table: list[int]) -> bool:
-    """Write the partial softmaxes of the compressed splits 0 .. splits_c - 1 of a split-K decode step; False
-    (nothing launched) where the step has more than MAX_ROWS rows, the codes are not laid out to be read in
-    place, or the kernel does not build.
-
-    qp f16 [B Hkv rows, planes x padded groups]: the planar, scaled queries, qsc float32 [B Hkv rows] their
-    scales (the Triton query kernel's output); keys / values CompressedTokens [B, Hkv, T, D] of encoders the
-    kernel ``reads``; out float32 [B Hkv, splits, rows, D], m / l_ float32 [B Hkv, splits, rows]: the partials
-    (splits >= splits_c are the window's, left to the Triton kernel); ``lengths``: None, or int64 [2] on the
-    device (the valid codes are then read there); ``tokens_per_split`` a multiple of 64; ``key_layout`` the keys'
-    RunLayout tuple, ``key_mags`` their magnitudes on the device; the tables: the prmt words of the keys' and
-    values' 4-bit magnitudes. The launch goes to the current device (the caller makes it qp's)."""
+def plan(keys: Any, values: Any, rows: int, window_splits: int) -> Any:
+    """The extension for a decode step over these CompressedTokens (of encoders the kernel ``reads``) with
+    ``rows`` query rows per KV head and ``window_splits`` splits of the window; None where the step has more
+    than MAX_ROWS rows or MAX_SPLITS / 2 window splits, the codes are not laid out to be read in place or the
+    kernel does not build (then the Triton kernels compute the step)."""
     kind = _kinds(keys.encoder, values.encoder)
     (kside, kalign), (vside, valign) = _side(keys.codes), _side(values.codes)
-    kq, vq, dim = keys.codes.qdata, values.codes.qdata, keys.encoder.dim
-    if rows > MAX_ROWS or not all(_in_place(*x) for x in ((kq, 16), (vq, 16), (kside, kalign), (vside, valign))):
-        return False
-    module = _module(dim, *kind, STAGES[kind[0]])
-    if module is None:
-        return False
+    kq, vq = keys.codes.qdata, values.codes.qdata
+    if rows > MAX_ROWS or window_splits > MAX_SPLITS // 2:
+        return None
+    if not all(_in_place(*x) for x in ((kq, 16), (vq, 16), (kside, kalign), (vside, valign))):
+        return None
+    return _module(keys.encoder.dim, *kind, STAGES[kind[0]])
+
+
+def merges(slots: int, rows: int) -> bool:
+    """Whether the kernel also merges a step's splits: where ``slots`` (batch rows x KV heads) times the row
+    blocks of ``rows`` are at most MERGE_SLOTS. There the merge is a serial tail that a launch of its own only
+    lengthens; with more pairs the separate merge kernel measured faster on an H200 (batch 8 x 8 KV heads)."""
+    return slots * -(-rows // ROWS) <= MERGE_SLOTS
+
+
+def decode_step(module: Any, qp: Tensor, qsc: Tensor, counters: Tensor | None, keys: Any, values: Any, out: Tensor,
+                m: Tensor, l_: Tensor, lengths: Tensor | None, rows: int, splits_c: int, tokens_per_split: int,
+                scaling: float, key_layout: tuple, key_mags: Tensor, key_table: list[int], value_table: list[int],
+                mv: Tensor, res: Tensor) -> None:
+    """Compute the compressed splits 0 .. splits_c - 1 of a split-K decode step by the extension :func:`plan`
+    gave; given ``counters``, also merge them with the window's (written by an earlier launch on this stream) into
+    ``res`` (else a later launch merges them).
+
+    qp f16 [B Hkv rows, planes x padded groups]: the planar, scaled queries, qsc float32 [B Hkv rows] their
+    scales, counters None or int32 [B Hkv x row blocks of ROWS], zero (the Triton query kernel's outputs); keys / values
+    CompressedTokens [B, Hkv, T, D]; out float32 [B Hkv, splits, rows, D], m / l_ float32 [B Hkv, splits, rows]:
+    the partials (splits >= splits_c are the window's); ``lengths``: None, or int64 [2] on the device (the valid
+    codes are then read there); ``tokens_per_split`` a multiple of 64; ``key_layout`` the keys' RunLayout tuple,
+    ``key_mags`` their magnitudes on the device; the tables: the prmt words of the keys' and values' 4-bit
+    magnitudes; mv float32 [D, D]: the value rotation's inverse (row k: the rotated domain's coordinate k); res
+    [B, Q, Hq, D] bf16 or f16: the output. The launch goes to qp's device (the caller makes it current)."""
+    (kside, _), (vside, _) = _side(keys.codes), _side(values.codes)
+    kq, vq = keys.codes.qdata, values.codes.qdata
     levels = 0
-    if kind[0] == TQ8:
+    if _kinds(keys.encoder, values.encoder)[0] == TQ8:
         levels = keys.encoder.derived(qp.device, "cuda-attention-levels", lambda: _levels8(key_mags)).data_ptr()
+    bsz, nq, hq, _ = res.shape
     module.decode_launch(
         qp.data_ptr(), qsc.data_ptr(), kq.data_ptr(), kside.data_ptr(), vq.data_ptr(), vside.data_ptr(), levels,
         out.data_ptr(), m.data_ptr(), l_.data_ptr(), 0 if lengths is None else lengths.data_ptr(), qsc.shape[0] // rows,
         rows, kq.shape[2], splits_c, out.shape[1], tokens_per_split, kq.stride(1), vq.stride(1),
         kside.stride(1) * kside.element_size(), vside.stride(1) * vside.element_size(), qp.shape[1], key_layout[4],
-        scaling * math.log2(math.e), key_table, value_table, torch.cuda.current_stream(qp.device).cuda_stream)
-    return True
+        scaling * math.log2(math.e), key_table, value_table, mv.data_ptr(), res.data_ptr(),
+        res.dtype == torch.bfloat16, 0 if counters is None else counters.data_ptr(), qsc.shape[0] // rows // bsz, hq,
+        nq, torch.cuda.current_stream(qp.device).cuda_stream)

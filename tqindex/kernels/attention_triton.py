@@ -21,14 +21,14 @@ newest tokens, causal):
 - window tokens: plain f16 products of the queries and the window, with the causal mask.
 
 Each program writes its partial (m, l, sum); the merge kernel combines them by log-sum-exp, rotates the
-compressed part's sum back (one product with the inverse rotation's matrix), adds the window's and
-writes the output in the [B, Q, Hq, D] layout attention layers return. Where the CUDA C++ kernel reads the
-codes (:mod:`.attention_cuda`, backend "cuda"), it computes a decode step's compressed splits and this kernel
-only the window's. Where the row blocks alone fill the card (prefill chunks: thousands of query rows), each
-program instead takes every token of its rows, compressed then window (rotating its sum back in between,
-skipping window tokens after its rows' causal limit) and writes the output itself: no partials, no merge. No
-full-precision copy of the compressed history is made. The PyTorch reference is
-:func:`tqindex.kv.attention.compressed_attention_ref`.
+compressed part's sum back (one product with the inverse rotation's matrix), adds the window's and writes the
+output in the [B, Q, Hq, D] layout attention layers return. Where the CUDA C++ kernel reads the codes
+(:mod:`.attention_cuda`, backend "cuda"), it computes a decode step's compressed splits after this kernel
+computed the window's, and where a step has few (batch row x KV head) pairs, it also merges them: no merge
+kernel runs. Where the row blocks alone fill the card (prefill chunks: thousands of query rows), each program
+instead takes every token of its rows, compressed then window (rotating its sum back in between, skipping
+window tokens after its rows' causal limit) and writes the output itself: no partials, no merge. No
+full-precision copy of the compressed history is made. The PyTorch reference is :func:`tqindex.kv.attention.compressed_attention_ref`.
 """
 
 from __future__ import annotations
@@ -208,12 +208,14 @@ def _query_rows(Q, b, kvh, r, rows, nq, q_sb, q_sh, q_sq):
 
 
 @triton.jit
-def _query_kernel(Q, MQ, QP, QSC, hkv, rows, nq, q_sb, q_sh, q_sq, D: tl.constexpr, DP: tl.constexpr,
-                  PW: tl.constexpr, PWP: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
+def _query_kernel(Q, MQ, QP, QSC, COUNTERS, hkv, rows, nq, q_sb, q_sh, q_sq, D: tl.constexpr, DP: tl.constexpr,
+                  PW: tl.constexpr, PWP: tl.constexpr, BLOCK_R: tl.constexpr, COUNTER_ROWS: tl.constexpr,
+                  PRECISION: tl.constexpr):
     """Program (batch row x KV head ``bh``, row block): its query rows rotated into planar order,
     ``q MQ`` (MQ float32 [DP, PWP]: the rotation's columns in planar order, zero padded), divided by a
     power of two per row so that the largest coordinate is near 1; written f16 to QP [bh * rows + r, PW],
-    the divisors to QSC [bh * rows + r]."""
+    the divisors to QSC [bh * rows + r]. COUNTER_ROWS > 0: also zeroes the CUDA kernel's merge counters of its
+    rows (COUNTERS int32 [bh, row blocks of COUNTER_ROWS])."""
     bh, rb = tl.program_id(0), tl.program_id(1)
     r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = r < rows
@@ -231,6 +233,10 @@ def _query_kernel(Q, MQ, QP, QSC, hkv, rows, nq, q_sb, q_sh, q_sq, D: tl.constex
     tl.store(QP + i[:, None] * PW + c[None, :], (y / scale[:, None]).to(tl.float16),
              mask=ok[:, None] & (c[None, :] < PW))
     tl.store(QSC + i, scale, mask=ok)
+    if COUNTER_ROWS > 0:
+        blocks = tl.cdiv(rows, COUNTER_ROWS)
+        j = rb * (BLOCK_R // COUNTER_ROWS) + tl.arange(0, BLOCK_R // COUNTER_ROWS)
+        tl.store(COUNTERS + bh * blocks + j, tl.zeros(j.shape, tl.int32), mask=j < blocks)
 
 
 @triton.jit
@@ -497,9 +503,9 @@ def compressed_attention_triton(q: Tensor, keys: Any, values: Any, mask: Tensor 
     ``lengths``: int64 [2] on q's device, the valid codes and window tokens, read by the kernel (the codes and
     the window are then buffers of that capacity and ``mask`` is None): the launches depend on the capacities
     only, so that a CUDA graph replays them as the buffers fill. ``cuda``: the compressed splits of a split-K
-    step with no mask and no soft cap are computed by the CUDA C++ kernel where it runs them
-    (:func:`.attention_cuda.compressed_splits`, whose ``reads`` the caller checked), the window's splits by the
-    Triton kernel."""
+    step with no mask and no soft cap (f16 or bf16 queries) are computed by the CUDA C++ kernel where it runs them
+    (:func:`.attention_cuda.plan`, whose ``reads`` the caller checked), after the window's splits by the Triton
+    kernel, and also merged by it where :func:`.attention_cuda.merges`."""
     bsz, hq, nq, dim = q.shape
     hkv, tc, tw = keys.shape[1], keys.codes.shape[2], keys.window.shape[2]
     rows, device = (hq // hkv) * nq, q.device
@@ -513,21 +519,25 @@ def compressed_attention_triton(q: Tensor, keys: Any, values: Any, mask: Tensor 
     block_m = 16 if rows <= 16 else 64
     row_blocks = cdiv(rows, block_m)
     precision = "tf32x3" if q.is_cuda else "ieee"  # float32 accuracy on tensor cores (the interpreter: ieee)
-    qp = torch.empty(bsz * hkv * rows, pw, device=device, dtype=torch.float16)
-    qsc = torch.empty(bsz * hkv * rows, device=device)
-    _query_kernel[(bsz * hkv, cdiv(rows, MERGE_ROWS))](
-        q, mq, qp, qsc, hkv, rows, nq, q.stride(0), q.stride(1), q.stride(2), D=dim, DP=dp, PW=pw, PWP=mq.shape[1],
-        BLOCK_R=MERGE_ROWS, PRECISION=precision, num_warps=4)
     want = cdiv(PROGRAMS_PER_SM * multiprocessors(device), bsz * hkv * row_blocks)
     one_pass = want == 1 if one_pass is None else one_pass
     if one_pass and rows >= ONE_PASS_ROWS:
         block_m = ONE_PASS_ROWS
         row_blocks = cdiv(rows, block_m)
+    mask_t, (msb, msq, mst), mask_kind = mask_layout(mask, bsz, nq, tc + tw)
+    splits_w = cdiv(tw, WINDOW_SPLIT) if tw else 0
+    module = None  # the CUDA kernel's, where it computes the compressed splits
+    if cuda and tc and not one_pass and mask_t is None and softcap is None and q.dtype != torch.float32:
+        module = attention_cuda.plan(keys, values, rows, splits_w)
+    fused = module is not None and attention_cuda.merges(bsz * hkv, rows)  # the CUDA kernel also merges
     splits_c, per = 0, BLOCK_N
     if tc and not one_pass:
-        per = cdiv(cdiv(tc, min(want, cdiv(tc, MIN_SPLIT_TOKENS))), BLOCK_N) * BLOCK_N
+        most = attention_cuda.MAX_SPLITS - splits_w if fused else want
+        per = cdiv(cdiv(tc, min(want, most, cdiv(tc, MIN_SPLIT_TOKENS))), BLOCK_N) * BLOCK_N
         splits_c = cdiv(tc, per)
-    splits = 1 if one_pass else splits_c + (cdiv(tw, WINDOW_SPLIT) if tw else 0)
+    splits = 1 if one_pass else splits_c + splits_w
+    qp = torch.empty(bsz * hkv * rows, pw, device=device, dtype=torch.float16)
+    qsc = torch.empty(bsz * hkv * rows, device=device)
     res = torch.empty(bsz, nq, hq, dim, device=device, dtype=q.dtype)
     out = res if one_pass else torch.empty(bsz * hkv, splits, rows, dp, device=device)
     m = qsc if one_pass else torch.empty(bsz * hkv, splits, rows, device=device)  # (one pass: unused pointers)
@@ -538,13 +548,14 @@ def compressed_attention_triton(q: Tensor, keys: Any, values: Any, mask: Tensor 
     vn = values.codes.scale if vfp4 else values.codes.norm
     kg, vg = (side.shape[-1] if fp4 else 1 for side, fp4 in ((kn, kfp4), (vn, vfp4)))
     kw, vw = keys.window.contiguous(), values.window.contiguous()
-    mask_t, (msb, msq, mst), mask_kind = mask_layout(mask, bsz, nq, tc + tw)
     dec = default_decode(device) if decode is None else decode
-    first = 0
-    if cuda and splits_c and not one_pass and mask_t is None and softcap is None:
-        if attention_cuda.compressed_splits(qp, qsc, keys, values, out, m, l_, lengths, rows, splits_c, per, scaling,
-                                            kr, kmag, kt, vt):
-            first = splits_c
+    first = splits_c if module else 0
+    counters = torch.empty(bsz * hkv * cdiv(rows, attention_cuda.ROWS), device=device, dtype=torch.int32) \
+        if fused else None
+    _query_kernel[(bsz * hkv, cdiv(rows, MERGE_ROWS))](
+        q, mq, qp, qsc, qsc if counters is None else counters, hkv, rows, nq, q.stride(0), q.stride(1), q.stride(2),
+        D=dim, DP=dp, PW=pw, PWP=mq.shape[1], BLOCK_R=MERGE_ROWS, COUNTER_ROWS=attention_cuda.ROWS if fused else 0,
+        PRECISION=precision, num_warps=4)
     if splits > first:
         _attention_kernel[(bsz * hkv, row_blocks, splits - first)](
             qp, qsc, q, kq, kn, vq, vn, kw, vw, qsc if mask_t is None else mask_t, out, m, l_, mv, res,
@@ -557,7 +568,10 @@ def compressed_attention_triton(q: Tensor, keys: Any, values: Any, mask: Tensor 
             DECODE=dec, ONE_PASS=one_pass, PRECISION=precision, DEVICE_LENGTHS=lengths is not None,
             BLOCK_M=block_m, BLOCK_N=BLOCK_N,
             num_warps=8 if block_m > 16 or kr[0] == 8 else DECODE_WARPS, num_stages=NUM_STAGES)
-    if not one_pass:
+    if module:
+        attention_cuda.decode_step(module, qp, qsc, counters, keys, values, out, m, l_, lengths, rows, splits_c, per,
+                                   scaling, kr, kmag, kt, vt, mv, res)
+    if not one_pass and not fused:
         _merge_kernel[(bsz * hkv, cdiv(rows, MERGE_ROWS))](
             out, m, l_, mv, res, hkv, hq, rows, nq, splits, splits_c, D=dim, DP=dp, BLOCK_R=MERGE_ROWS,
             PRECISION=precision, num_warps=4)

@@ -27,9 +27,12 @@
 // data): STAGES - 1 tiles are in flight while one is computed.
 //
 // Each block writes its split's partial softmax (running max in natural-log units, normalizer, value sum in the
-// value encoder's rotated domain) in the layout of the Triton attention kernel's partials, which its merge kernel
-// combines with the window's splits. The reference is tqindex.kv.attention.compressed_attention_ref.
+// value encoder's rotated domain) in the layout of the Triton attention kernel's partials, beside the window's
+// splits that kernel wrote before. The last block of a (bh, row block) to finish (a counter per pair, taken after
+// a memory fence) merges them all by log-sum-exp, rotates the compressed sum back and writes the output: one launch
+// where the Triton path needs two. The reference is tqindex.kv.attention.compressed_attention_ref.
 
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cstdint>
 #include <vector>
@@ -76,6 +79,7 @@ constexpr int RINGS = WARPS * STAGES * Stage::BYTES;
 constexpr int TABLE = KEYS == TQ8 ? 256 * 32 * 4 : 0;  // the 8-bit levels, a 4-byte slot per code and bank
 constexpr int SUMS = WARPS * ROWS * D * 4;  // the warps' value sums (reusing the rings at the end)
 constexpr int SMEM = RINGS + TABLE > SUMS ? RINGS + TABLE : SUMS;
+static_assert(SMEM >= (ROWS * D + 128 * ROWS) * 4, "the merge's work space (ROWS x D floats, 128 x ROWS weights)");
 
 struct Table {
   uint32_t lo0, lo1, hi0, hi1;  // low bytes of magnitudes 0-3, 4-7; high bytes of 0-3, 4-7 (f16, ascending)
@@ -219,13 +223,108 @@ __device__ __forceinline__ void issue_tile(uint32_t stage, int t0, int t_hi, con
   }
 }
 
+// The merge: splits it takes at most (python: attention_cuda.MAX_SPLITS); threads sharing a set of query rows
+// (four columns each), rows a pass takes, passes.
+constexpr int MAX_SPLITS = 128, TPR = D / 4, RS = WARPS * 32 / TPR, NR = ROWS / RS;
+
+// The log-sum-exp merge of block row rb's partials over the nsplit splits of bh (splits < splits_c compressed: in
+// the value encoder's rotated domain; the rest the window's, plain): the compressed sum rotated back by mv float32
+// [D, D] (row k: the rotated domain's coordinate k), the window's added, divided by the normalizer (0 for rows
+// that see no key), written to res [B, Q, Hq, D] (bf16 or f16). Partials are read through L2 (other blocks wrote
+// them), every load of a loop issued before its results are used. ``work``: shared memory for ROWS x D floats
+// and the weights of MAX_SPLITS x ROWS partials.
+__device__ __noinline__ void merge(const float* out, const float* m_in, const float* l_in, const float* mv,
+                                      void* res, bool res_bf16, int bh, int rb, int rows, int nsplit, int splits_c,
+                                      int hkv, int hq, int nq, float* work) {
+  __shared__ float total[ROWS];
+  float* weight = work + ROWS * D;  // [split][row]: exp(m - the row's largest m)
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nrows = min(ROWS, rows - rb * ROWS);
+  const int64_t base = (int64_t)bh * nsplit * rows + rb * ROWS;  // row rb * ROWS of split 0
+  for (int r = warp; r < nrows; r += WARPS) {  // a warp per row: its largest m, weights, normalizer
+    float m[MAX_SPLITS / 32], l[MAX_SPLITS / 32], mx = -INFINITY, sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < MAX_SPLITS / 32; ++i) {
+      const int sp = lane + 32 * i;
+      m[i] = sp < nsplit ? __ldcg(m_in + base + (int64_t)sp * rows + r) : -INFINITY;
+      l[i] = sp < nsplit ? __ldcg(l_in + base + (int64_t)sp * rows + r) : 0.f;
+      mx = fmaxf(mx, m[i]);
+    }
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+#pragma unroll
+    for (int i = 0; i < MAX_SPLITS / 32; ++i) {
+      const float w = m[i] == -INFINITY ? 0.f : __expf(m[i] - mx);
+      sum += l[i] * w;
+      weight[(lane + 32 * i) * ROWS + r] = w;
+    }
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (lane == 0) total[r] = sum;
+  }
+  __syncthreads();
+  const int c = 4 * (threadIdx.x % TPR), r0 = threadIdx.x / TPR;  // columns c .. c + 3, rows r0 + RS j
+  float4 acc[NR];
+#pragma unroll
+  for (int j = 0; j < NR; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+  const auto add = [&](int sp) {  // split sp's partial, weighted
+#pragma unroll
+    for (int j = 0; j < NR; ++j) {
+      const int r = r0 + RS * j;
+      if (r < nrows) {
+        const float w = weight[sp * ROWS + r];
+        const float4 v = __ldcg(reinterpret_cast<const float4*>(out + (base + (int64_t)sp * rows + r) * D + c));
+        acc[j].x += w * v.x, acc[j].y += w * v.y, acc[j].z += w * v.z, acc[j].w += w * v.w;
+      }
+    }
+  };
+#pragma unroll 8
+  for (int sp = 0; sp < splits_c; ++sp) add(sp);
+  // rotate the compressed sum back: work[r][k] = acc, then acc[r][c] = sum_k work[r][k] mv[k][c]
+#pragma unroll
+  for (int j = 0; j < NR; ++j) {
+    *reinterpret_cast<float4*>(work + (r0 + RS * j) * D + c) = acc[j];
+    acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  __syncthreads();
+#pragma unroll 16
+  for (int k = 0; k < D; ++k) {
+    const float4 v = __ldg(reinterpret_cast<const float4*>(mv + k * D + c));
+#pragma unroll
+    for (int j = 0; j < NR; ++j) {
+      const float a = work[(r0 + RS * j) * D + k];
+      acc[j].x += a * v.x, acc[j].y += a * v.y, acc[j].z += a * v.z, acc[j].w += a * v.w;
+    }
+  }
+#pragma unroll 8
+  for (int sp = splits_c; sp < nsplit; ++sp) add(sp);
+  const int b = bh / hkv, g = rows / nq;  // query heads per KV head
+#pragma unroll
+  for (int j = 0; j < NR; ++j) {
+    const int r = r0 + RS * j;
+    if (r >= nrows) continue;
+    const int row = rb * ROWS + r, h = (bh % hkv) * g + row / nq;
+    const int64_t at = (((int64_t)b * nq + row % nq) * hq + h) * D + c;
+    const float inv = total[r] > 0.f ? 1.f / total[r] : 0.f;
+    const float x[4] = {acc[j].x * inv, acc[j].y * inv, acc[j].z * inv, acc[j].w * inv};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (res_bf16)
+        reinterpret_cast<__nv_bfloat16*>(res)[at + e] = __float2bfloat16(x[e]);
+      else
+        reinterpret_cast<__half*>(res)[at + e] = __float2half(x[e]);
+    }
+  }
+}
+
+template <bool MERGE>
 __global__ void __launch_bounds__(WARPS * 32) decode_kernel(
     const __half* __restrict__ qp, const float* __restrict__ qsc, const uint8_t* __restrict__ kc,
     const uint8_t* __restrict__ ks, const uint8_t* __restrict__ vc, const uint8_t* __restrict__ vs,
     const uint16_t* __restrict__ klevels, float* __restrict__ out, float* __restrict__ m_out,
     float* __restrict__ l_out, const int64_t* __restrict__ lengths, int rows, int tc, int nsplit,
     int tokens_per_split, int64_t kc_stride, int64_t vc_stride, int64_t ks_stride, int64_t vs_stride, int pw, int gp,
-    float scale_log2, Table kt, Table vt) {
+    float scale_log2, Table kt, Table vt, const float* __restrict__ mv, void* __restrict__ res, bool res_bf16,
+    int* __restrict__ counters, int hkv, int hq, int nq) {
   const int bh = blockIdx.x, rb = blockIdx.y, sp = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   if (lengths != nullptr) tc = (int)lengths[0];
@@ -446,6 +545,21 @@ __global__ void __launch_bounds__(WARPS * 32) decode_kernel(
       l_out[base + r] = total;
     }
   }
+
+  // MERGE: the last block of (bh, rb) to finish merges every split's partial (the window's were written by an
+  // earlier launch); each block's writes are fenced before it counts itself
+  if constexpr (MERGE) {
+    __shared__ bool last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(counters + (int64_t)bh * gridDim.y + rb, 1) == (int)gridDim.z - 1;
+    __syncthreads();
+    if (last) {
+      __threadfence();
+      merge(out, m_out, l_out, mv, res, res_bf16, bh, rb, rows, nsplit, (int)gridDim.z, hkv, hq, nq,
+            reinterpret_cast<float*>(smem));
+    }
+  }
 }
 
 }  // namespace
@@ -453,21 +567,28 @@ __global__ void __launch_bounds__(WARPS * 32) decode_kernel(
 // Launch over grid (bh, row blocks, the splits_c compressed splits of the nsplit partials) on ``stream``: pointers
 // and the stream as integers (device addresses, cudaStream_t; ``klevels``: the 256 f16 levels of 8-bit key codes,
 // else unused), strides in bytes, the prmt table words of the keys' and the values' 4-bit magnitudes (four each).
+// ``counters``: 0 (the partials are merged by a later launch), or int32 [bh x row blocks], zero: then the last
+// block of each (bh, row block) merges them into res [B, Q, Hq, D] (bf16 where res_bf16, else f16).
 void decode_launch(int64_t qp, int64_t qsc, int64_t kc, int64_t ks, int64_t vc, int64_t vs, int64_t klevels,
                    int64_t out, int64_t m_out, int64_t l_out, int64_t lengths, int64_t bh, int64_t rows, int64_t tc,
                    int64_t splits_c, int64_t nsplit, int64_t tokens_per_split, int64_t kc_stride, int64_t vc_stride,
                    int64_t ks_stride, int64_t vs_stride, int64_t pw, int64_t gp, double scale_log2,
-                   const std::vector<int64_t>& ktab, const std::vector<int64_t>& vtab, int64_t stream) {
+                   const std::vector<int64_t>& ktab, const std::vector<int64_t>& vtab, int64_t mv, int64_t res,
+                   bool res_bf16, int64_t counters, int64_t hkv, int64_t hq, int64_t nq, int64_t stream) {
   static const bool opted =
-      cudaFuncSetAttribute(decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM) == cudaSuccess;
+      cudaFuncSetAttribute(decode_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM) == cudaSuccess &&
+      cudaFuncSetAttribute(decode_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM) == cudaSuccess;
   (void)opted;
   const dim3 grid((unsigned)bh, (unsigned)((rows + ROWS - 1) / ROWS), (unsigned)splits_c);
   const Table kt{(uint32_t)ktab[0], (uint32_t)ktab[1], (uint32_t)ktab[2], (uint32_t)ktab[3]};
   const Table vt{(uint32_t)vtab[0], (uint32_t)vtab[1], (uint32_t)vtab[2], (uint32_t)vtab[3]};
-  decode_kernel<<<grid, WARPS * 32, SMEM, reinterpret_cast<cudaStream_t>(stream)>>>(
+  (counters ? decode_kernel<true> : decode_kernel<false>)<<<grid, WARPS * 32, SMEM,
+                                                           reinterpret_cast<cudaStream_t>(stream)>>>(
       reinterpret_cast<const __half*>(qp), reinterpret_cast<const float*>(qsc), reinterpret_cast<const uint8_t*>(kc),
       reinterpret_cast<const uint8_t*>(ks), reinterpret_cast<const uint8_t*>(vc), reinterpret_cast<const uint8_t*>(vs),
       reinterpret_cast<const uint16_t*>(klevels), reinterpret_cast<float*>(out), reinterpret_cast<float*>(m_out),
       reinterpret_cast<float*>(l_out), reinterpret_cast<const int64_t*>(lengths), (int)rows, (int)tc, (int)nsplit,
-      (int)tokens_per_split, kc_stride, vc_stride, ks_stride, vs_stride, (int)pw, (int)gp, (float)scale_log2, kt, vt);
+      (int)tokens_per_split, kc_stride, vc_stride, ks_stride, vs_stride, (int)pw, (int)gp, (float)scale_log2, kt, vt,
+      reinterpret_cast<const float*>(mv), reinterpret_cast<void*>(res), res_bf16, reinterpret_cast<int*>(counters),
+      (int)hkv, (int)hq, (int)nq);
 }
