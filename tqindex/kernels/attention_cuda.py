@@ -152,14 +152,14 @@ def decode_step(module: Any, qp: Tensor, qsc: Tensor, counters: Tensor | None, k
     gave; given ``counters``, also merge them with the window's (written by an earlier launch on this stream) into
     ``res`` (else a later launch merges them).
 
-    qp f16 [B Hkv rows, planes x padded groups]: the planar, scaled queries, qsc float32 [B Hkv rows] their
-    scales, counters None or int32 [B Hkv x row blocks of ROWS], zero (the Triton query kernel's outputs); keys / values
-    CompressedTokens [B, Hkv, T, D]; out float32 [B Hkv, splits, rows, D], m / l_ float32 [B Hkv, splits, rows]:
-    the partials (splits >= splits_c are the window's); ``lengths``: None, or int64 [2] on the device (the valid
-    codes are then read there); ``tokens_per_split`` a multiple of 64; ``key_layout`` the keys' RunLayout tuple,
+    qp f16 [B Hkv rows, planes x padded groups]: the planar, scaled queries, qsc float32 [B Hkv rows] their scales,
+    counters None or int32 [B Hkv x row blocks of ROWS], zero (the Triton query kernel's outputs); keys / values
+    CompressedTokens [B, Hkv, T, D]; out float32 [B Hkv, splits, rows, D], m / l_ float32 [B Hkv, splits, rows]: the
+    partials (splits >= splits_c are the window's); ``lengths``: None, or int64 [2] on the device (the valid codes
+    are then read there); ``tokens_per_split`` a multiple of 64; ``key_layout`` the keys' RunLayout tuple,
     ``key_mags`` their magnitudes on the device; the tables: the prmt words of the keys' and values' 4-bit
-    magnitudes; mv float32 [D, D]: the value rotation's inverse (row k: the rotated domain's coordinate k); res
-    [B, Q, Hq, D] bf16 or f16: the output. The launch goes to qp's device (the caller makes it current)."""
+    magnitudes; mv float32 [D, D]: the value rotation's inverse (row k: the rotated domain's coordinate k);
+    res [B, Q, Hq, D] bf16 or f16: the output. The launch goes to qp's device (the caller makes it current)."""
     (kside, _), (vside, _) = _side(keys.codes), _side(values.codes)
     kq, vq = keys.codes.qdata, values.codes.qdata
     levels = 0

@@ -28,7 +28,8 @@ computed the window's, and where a step has few (batch row x KV head) pairs, it 
 kernel runs. Where the row blocks alone fill the card (prefill chunks: thousands of query rows), each program
 instead takes every token of its rows, compressed then window (rotating its sum back in between, skipping
 window tokens after its rows' causal limit) and writes the output itself: no partials, no merge. No
-full-precision copy of the compressed history is made. The PyTorch reference is :func:`tqindex.kv.attention.compressed_attention_ref`.
+full-precision copy of the compressed history is made. The PyTorch reference is
+:func:`tqindex.kv.attention.compressed_attention_ref`.
 """
 
 from __future__ import annotations

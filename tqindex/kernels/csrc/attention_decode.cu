@@ -28,9 +28,10 @@
 //
 // Each block writes its split's partial softmax (running max in natural-log units, normalizer, value sum in the
 // value encoder's rotated domain) in the layout of the Triton attention kernel's partials, beside the window's
-// splits that kernel wrote before. The last block of a (bh, row block) to finish (a counter per pair, taken after
-// a memory fence) merges them all by log-sum-exp, rotates the compressed sum back and writes the output: one launch
-// where the Triton path needs two. The reference is tqindex.kv.attention.compressed_attention_ref.
+// splits that kernel wrote before. Launched with counters (steps with few (bh, row block) pairs), the last block
+// of a pair to finish (a counter per pair, taken after a memory fence) merges them all by log-sum-exp, rotates the
+// compressed sum back and writes the output: one launch where the Triton path needs two; without, the Triton merge
+// kernel follows. The reference is tqindex.kv.attention.compressed_attention_ref.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -79,7 +80,8 @@ constexpr int RINGS = WARPS * STAGES * Stage::BYTES;
 constexpr int TABLE = KEYS == TQ8 ? 256 * 32 * 4 : 0;  // the 8-bit levels, a 4-byte slot per code and bank
 constexpr int SUMS = WARPS * ROWS * D * 4;  // the warps' value sums (reusing the rings at the end)
 constexpr int SMEM = RINGS + TABLE > SUMS ? RINGS + TABLE : SUMS;
-static_assert(SMEM >= (ROWS * D + 128 * ROWS) * 4, "the merge's work space (ROWS x D floats, 128 x ROWS weights)");
+constexpr int MAX_SPLITS = 128;  // splits the merge takes at most (python: attention_cuda.MAX_SPLITS)
+static_assert(SMEM >= (ROWS * D + MAX_SPLITS * ROWS) * 4, "the merge's work space: ROWS x D floats, its weights");
 
 struct Table {
   uint32_t lo0, lo1, hi0, hi1;  // low bytes of magnitudes 0-3, 4-7; high bytes of 0-3, 4-7 (f16, ascending)
@@ -223,9 +225,8 @@ __device__ __forceinline__ void issue_tile(uint32_t stage, int t0, int t_hi, con
   }
 }
 
-// The merge: splits it takes at most (python: attention_cuda.MAX_SPLITS); threads sharing a set of query rows
-// (four columns each), rows a pass takes, passes.
-constexpr int MAX_SPLITS = 128, TPR = D / 4, RS = WARPS * 32 / TPR, NR = ROWS / RS;
+// The merge: threads sharing a set of query rows (four columns each), rows a pass takes, passes.
+constexpr int TPR = D / 4, RS = WARPS * 32 / TPR, NR = ROWS / RS;
 
 // The log-sum-exp merge of block row rb's partials over the nsplit splits of bh (splits < splits_c compressed: in
 // the value encoder's rotated domain; the rest the window's, plain): the compressed sum rotated back by mv float32
@@ -233,9 +234,9 @@ constexpr int MAX_SPLITS = 128, TPR = D / 4, RS = WARPS * 32 / TPR, NR = ROWS / 
 // that see no key), written to res [B, Q, Hq, D] (bf16 or f16). Partials are read through L2 (other blocks wrote
 // them), every load of a loop issued before its results are used. ``work``: shared memory for ROWS x D floats
 // and the weights of MAX_SPLITS x ROWS partials.
-__device__ __noinline__ void merge(const float* out, const float* m_in, const float* l_in, const float* mv,
-                                      void* res, bool res_bf16, int bh, int rb, int rows, int nsplit, int splits_c,
-                                      int hkv, int hq, int nq, float* work) {
+__device__ __noinline__ void merge(const float* out, const float* m_in, const float* l_in, const float* mv, void* res,
+                                   bool res_bf16, int bh, int rb, int rows, int nsplit, int splits_c, int hkv, int hq,
+                                   int nq, float* work) {
   __shared__ float total[ROWS];
   float* weight = work + ROWS * D;  // [split][row]: exp(m - the row's largest m)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nrows = min(ROWS, rows - rb * ROWS);
