@@ -31,9 +31,10 @@ makes their inner products unbiased (the ``tq{b}-unbiased`` encoders, where ``tq
 ``-ku``, values likewise with ``-vu`` (attention's output is then unbiased: ``tq{b}`` values point along their
 code, so each is shrunk along its own direction by the code's cosine), with per-channel key scales
 (:func:`tqindex.kv.key_scales`, calibrated on the third text below) with ``-ks``;
-``policy-b{bits}``: a per-layer policy chosen by :func:`tqindex.kv.calibrate` for an average of at most
-``bits`` bits per element at ``--tokens`` tokens of context, with ``TQCache``'s default sink tokens
-(``policy-b{bits}-ks``: measured and kept with key scales), calibrated on a third text
+``policy-b{bits}[-r{N}]``: a per-layer policy chosen by :func:`tqindex.kv.calibrate` for an average of at most
+``bits`` bits per element at ``--tokens`` tokens of context, with ``TQCache``'s default sink tokens and a window
+of N tokens in every layer (``-ks``: measured and kept with key scales), measured under real decoding behind
+that window and calibrated on a third text
 (:data:`_lm.CALIBRATION_TOPICS`, disjoint from both). tqindex runs use the ``"tqindex"`` attention
 implementation (attention computed from the codes) and encode each token as it leaves the window
 (``encode_stride=1``): a window holds exactly its ``residual_length`` tokens of earlier steps (``TQCache``'s
@@ -94,9 +95,12 @@ DEFAULT_CONFIGS = (
     "tq2-r0-p0-ks", "policy-b3.25", "policy-b2.5",
 )
 QUICK_CONFIGS = ("dynamic", "tq4-r128-p2")
+CALIBRATION_SCORED = 64
+"""Tokens of the calibration text a policy's measurement predicts, one at a time (the rest is its prefix)."""
 CALIBRATION: dict[str, Any] = {}
-"""``key_scales``, ``sensitivity`` / ``sensitivity-ks`` (with unscaled / scaled keys; measured once per run
-by :func:`main`) and ``context_tokens``: what ``-ks`` and ``policy-b*`` configurations are built from."""
+"""``key_scales``, the sensitivities (:func:`sensitivity_name`: with unscaled or scaled keys, behind a window;
+measured once per run by :func:`main`) and ``context_tokens``: what ``-ks`` and ``policy-b*`` configurations are
+built from."""
 
 
 # ------------------------------------------------------------------------------ configurations
@@ -115,6 +119,11 @@ class CacheSpec:
     protected_layers: int | None = None
     budget_bits: float | None = None
     key_scales: bool = False
+
+
+def sensitivity_name(scaled: bool, window: int) -> str:
+    """The CALIBRATION entry of the sensitivity measured with key scales or not, behind a window of ``window``."""
+    return "sensitivity" + (f"-r{window}" if window else "") + ("-ks" if scaled else "")
 
 
 def cache_spec(name: str) -> CacheSpec:
@@ -138,12 +147,11 @@ def cache_spec(name: str) -> CacheSpec:
         return CacheSpec(name, "tqindex", "tqindex FP8Cache: E4M3, one scale per token and head",
                          lambda cfg: FP8Cache(cfg))
     if name.startswith("policy-b"):
-        scaled = name.endswith("-ks")
-        try:
-            bits = float(name.removeprefix("policy-b").removesuffix("-ks"))
-        except ValueError:
-            raise ValueError(f"policy configuration must look like 'policy-b3.25[-ks]', got {name!r}") from None
-        measured = "sensitivity-ks" if scaled else "sensitivity"
+        policy_match = re.fullmatch(r"policy-b(\d+(?:\.\d+)?)(?:-r(\d+))?(-ks)?", name)
+        if not policy_match:
+            raise ValueError(f"policy configuration must look like 'policy-b3.25[-r8][-ks]', got {name!r}")
+        bits, window, scaled = float(policy_match[1]), int(policy_match[2] or 0), bool(policy_match[3])
+        measured = sensitivity_name(scaled, window)
 
         def make_policy(cfg: Any) -> Any:
             if measured not in CALIBRATION:
@@ -153,9 +161,9 @@ def cache_spec(name: str) -> CacheSpec:
                            encode_stride=ENCODE_STRIDE)
 
         return CacheSpec(name, "tqindex", f"TQCache with a per-layer policy calibrated for <= {bits:g} bits "
-                         f"per element, the first {SINK_LENGTH} tokens never encoded"
+                         f"per element, window {window}, the first {SINK_LENGTH} tokens never encoded"
                          + (", calibrated key scales" if scaled else ""), make_policy, "tqindex",
-                         budget_bits=bits, key_scales=scaled)
+                         residual_length=window, budget_bits=bits, key_scales=scaled)
     if name.startswith("quanto-int"):
         try:
             bits_s, res_s = name.removeprefix("quanto-int").split("-r")
@@ -198,7 +206,7 @@ def cache_spec(name: str) -> CacheSpec:
                          f"TQCache {kv}, residual {res}, {prot}+{prot} protected layers, {keys}{sinks}", make,
                          "tqindex", preset, res, prot, key_scales=scaled)
     known = ("dynamic, fp8, fp8-tq, quanto-int{2,4}-r{N}, {" + ",".join(TQ_PRESETS) + f",k[{TQ_BITS}]v[{TQ_BITS}]"
-             + "}-r{N}-p{N}[-s{N}][-nc][-ku][-vu][-ks], policy-b{bits}[-ks]")
+             + "}-r{N}-p{N}[-s{N}][-nc][-ku][-vu][-ks], policy-b{bits}[-r{N}][-ks]")
     raise ValueError(f"unknown configuration {name!r}; known forms: {known}")
 
 
@@ -576,17 +584,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         text = _lm.calibration_text()
         ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[:, :args.calibration_tokens]
         CALIBRATION.update(key_scales=key_scales(model, ids), context_tokens=args.tokens)
-        for scaled, measured in ((False, "sensitivity"), (True, "sensitivity-ks")):
-            if any(spec.budget_bits is not None and spec.key_scales == scaled for spec in specs):
-                CALIBRATION[measured] = measure_sensitivity(model, ids, prefix=ids.shape[1] - 64, scored=64,
-                                                            key_scales=CALIBRATION["key_scales"] if scaled else None)
-        policies = {spec.name: policy_for_budget(CALIBRATION["sensitivity-ks" if spec.key_scales else "sensitivity"],
+        for scaled, window in sorted({(s.key_scales, s.residual_length) for s in specs if s.budget_bits is not None}):
+            CALIBRATION[sensitivity_name(scaled, window)] = measure_sensitivity(
+                model, ids, prefix=ids.shape[1] - CALIBRATION_SCORED, scored=CALIBRATION_SCORED,
+                key_scales=CALIBRATION["key_scales"] if scaled else None, residual_length=window)
+        policies = {spec.name: policy_for_budget(CALIBRATION[sensitivity_name(spec.key_scales, spec.residual_length)],
                                                  spec.budget_bits, context_tokens=args.tokens,
                                                  encode_stride=ENCODE_STRIDE)
                     for spec in specs if spec.budget_bits is not None}
         calibration = {"text": _lm.text_info(text, _lm.CALIBRATION_TOPICS), "tokens": ids.shape[1],
                        "context_tokens": args.tokens, "time_s": time.perf_counter() - t1,
-                       **{m: CALIBRATION[m].to_dict() for m in ("sensitivity", "sensitivity-ks") if m in CALIBRATION},
+                       **{m: v.to_dict() for m, v in CALIBRATION.items() if m.startswith("sensitivity")},
                        "key_scales": [None if t is None else t.tolist() for t in CALIBRATION["key_scales"]],
                        "policies": {name: {"bits": p.calibration["bits"], "predicted_kl": p.calibration["predicted_kl"],
                                            "describe": p.describe(), "policy": p.to_dict()}

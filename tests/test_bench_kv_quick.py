@@ -44,6 +44,9 @@ def test_every_default_configuration_parses():
     assert "values scaled to be unbiased" in kv_quality.cache_spec("k4v3-r0-p0-s4-ku-vu").description
     assert "centered keys" in spec.description and "not centered" in kv_quality.cache_spec("tq4-r0-p0-nc").description
     assert kv_quality.cache_spec("policy-b2.5").budget_bits == 2.5
+    spec = kv_quality.cache_spec("policy-b3.25-r8-ks")
+    assert (spec.budget_bits, spec.residual_length, spec.key_scales) == (3.25, 8, True)
+    assert kv_quality.sensitivity_name(True, 8) == "sensitivity-r8-ks"
     spec = kv_quality.cache_spec("tq3-r0-p0-s4-nc-ku-ks")
     assert all(s in spec.description for s in ("first 4 tokens", "not centered", "unbiased", "key scales"))
 
@@ -77,6 +80,7 @@ def test_the_half_fp8_bytes_target_takes_the_best_row_at_half_the_bytes():
 
 
 @pytest.mark.parametrize("name", ["k9v4-r0-p0", "tq5-r0-p0", "tq4-r128", "quanto-int4", "fp16", "tq4-rx-p2", "policy-bx",
+                                  "policy-b3-rx", "policy-b3-ks-r8",
                                   "tq4-r0-p0-ks-ku", "tq4-r0-p0-s4-s4", "tq4-r0-p0-x", "fp4-r0-p0-ku", "fp4-r0-p0-vu",
                                   "tq4-r0-p0-vu-ku"])
 def test_unknown_configuration_is_rejected(name):

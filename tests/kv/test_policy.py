@@ -181,5 +181,11 @@ def test_calibration_spends_the_budget_where_it_matters():
         policy_for_budget(sens, 1.0)
     one_call = calibrate(model, ids, 3.5, bits=(2, 4), prefix=40, scored=16, allow_dense=False, context_tokens=2048)
     assert one_call.layers == policy_for_budget(sens, 3.5, allow_dense=False, context_tokens=2048).layers
+    chunked = measure_sensitivity(model, ids, bits=(2,), prefix=40, scored=16, chunk=16)  # the scored tokens
+    assert sum(chunked.key_kl["tq2-unbiased"]) < sum(sens.key_kl["tq2-unbiased"])  # exact to each other: less loss
+    windowed = measure_sensitivity(model, ids, bits=(2,), prefix=40, scored=16, residual_length=8)
+    assert sum(windowed.key_kl["tq2-unbiased"]) < sum(sens.key_kl["tq2-unbiased"])  # the newest 8 tokens exact
+    kept = policy_for_budget(windowed, 3.0, allow_dense=False, context_tokens=2048)
+    assert all(layer.residual_length == 8 for layer in kept.layers) and kept.calibration["bits"] <= 3.0
     with pytest.raises(ValueError, match="prefix \\+ scored"):
         measure_sensitivity(model, ids[:, :20], prefix=40, scored=16)

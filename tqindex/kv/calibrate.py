@@ -3,15 +3,18 @@ then :func:`policy_for_budget`, which a user may call apart to try several budge
 
 Every layer's sensitivity is measured alone: the model reads a calibration text of ``prefix + scored``
 tokens, its first ``prefix`` tokens go through a cache in which one layer stores its keys at ``b`` bits
-(``tq{b}-unbiased``, the keys of ``TQCache``'s default; its values at 8 bits, nearly exact) and every
-other layer stays in full precision, the next ``scored`` tokens are predicted in one forward pass over
-that history, and the sensitivity is the mean KL divergence of those predictions from a full-precision
-cache's, in nats. Values (``tq{b}``) are measured the same way (keys at 8 bits). A layer's loss for
-``b_k``-bit keys and ``b_v``-bit values is the sum of the two (errors of different layers and of keys and
-values add up, to first order), a full-precision layer's is 0, and :func:`tqindex.kv.policy.choose` picks
-per layer the option of least summed loss whose bytes fit the budget. The scored tokens attend to each
-other in full precision, as a chunked prefill does; only their attention to the compressed prefix is
-measured, which is what a decoded token reads.
+(``tq{b}-unbiased``, the keys of ``TQCache``'s default; its values at 8 bits, nearly exact) behind a window of
+``residual_length`` full-precision tokens and every other layer stays in full precision, the next ``scored``
+tokens are predicted ``chunk`` at a time over that growing history (1, the default: real decoding, each new
+token encoded once it leaves the window), and the sensitivity is the mean KL divergence of those predictions
+from a full-precision cache's, in nats. Values (``tq{b}``) are measured the same way (keys at 8 bits). A
+layer's loss for ``b_k``-bit keys and ``b_v``-bit values is the sum of the two (errors of different layers and
+of keys and values add up, to first order), a full-precision layer's is 0, and
+:func:`tqindex.kv.policy.choose` picks per layer the option of least summed loss whose bytes fit the budget
+(every option with the measured window). Scored in larger chunks, a chunk's tokens attend to each other in
+full precision, as a chunked prefill does, which hides the error of the newest tokens' codes that real
+decoding reads: on SmolLM2-135M under real decoding an 8-token window took 3-bit keys and values from
++10 % to +3-6 % perplexity (``benchmarks/results/kv_quality_smollm2_cpu_small_windows.md``).
 
 The calibration text should be unrelated to the text the cache will be judged on. The result is a plain
 :class:`~tqindex.kv.policy.KVPolicy`: save it, read it, edit it, pass it to ``TQCache(config, policy=...)``.
@@ -53,7 +56,8 @@ class Sensitivity:
     ``"tq3"``), and the model's cache shape: layers, KV heads, key and value head dims, bytes per element of
     its dtype;
     ``key_scales``: the per-layer key scales the measurement ran with (nested lists, None per unscaled
-    layer), which the chosen policies keep, or None."""
+    layer), which the chosen policies keep, or None; ``residual_length``: the window of the measured layer,
+    which the chosen policies keep; ``chunk``: tokens per forward pass of the scored part."""
 
     key_kl: dict[str, list[float]]
     value_kl: dict[str, list[float]]
@@ -66,6 +70,8 @@ class Sensitivity:
     scored: int
     center_keys: bool
     key_scales: list[Any] | None = None
+    residual_length: int = 0
+    chunk: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields."""
@@ -82,20 +88,25 @@ def measure_sensitivity(
     center_keys: bool = True,
     backend: str | None = None,
     key_scales: Sequence[Any] | None = None,
+    residual_length: int = 0,
+    chunk: int = 1,
 ) -> Sensitivity:
-    """Each layer's sensitivity to ``"tq{b}-unbiased"`` keys and ``"tq{b}"`` values, for b in ``bits`` (module
-    notes).
+    """Each layer's sensitivity to ``"tq{b}-unbiased"`` keys and ``"tq{b}"`` values, for b in ``bits``, behind a
+    window of ``residual_length`` tokens, the ``scored`` tokens fed ``chunk`` at a time (module notes).
 
     model: a transformers causal LM; tokens: calibration token ids [1, T] (or [T]) with T >= prefix +
     scored; backend: the kernels of the trial caches; key_scales: per-layer key scales (:func:`key_scales`)
-    the trial caches hold their keys with, or None. Runs 2 · layers · len(bits) + 1 short passes of the
-    model (a progress bar counts them); the model's attention implementation is restored afterwards.
+    the trial caches hold their keys with, or None. Runs 2 · layers · len(bits) + 1 trials of a prefill and
+    ceil(scored / chunk) steps of the model (a progress bar counts the trials); the model's attention
+    implementation is restored afterwards.
     """
     from .hf import TQCache, _head_dims
 
     tokens = tokens.reshape(1, -1) if isinstance(tokens, Tensor) and tokens.dim() == 1 else tokens
     check_int(prefix, "prefix", 1)
     check_int(scored, "scored", 1)
+    check_int(residual_length, "residual_length", 0)
+    check_int(chunk, "chunk", 1)
     if not isinstance(tokens, Tensor) or tokens.dim() != 2 or tokens.shape[0] != 1 \
             or tokens.shape[1] < prefix + scored:
         got = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
@@ -111,12 +122,13 @@ def measure_sensitivity(
 
     def predictions(cache: Any) -> Tensor:  # log-probabilities [scored, vocab] of the scored tokens
         model(input_ids=tokens[:, :prefix], **{kwarg: cache}, use_cache=True, logits_to_keep=1)
-        logits = model(input_ids=tokens[:, prefix:prefix + scored], **{kwarg: cache}, use_cache=True).logits
-        return torch.log_softmax(logits[0].float(), dim=-1)
+        logits = [model(input_ids=tokens[:, i:min(i + chunk, prefix + scored)], **{kwarg: cache},
+                        use_cache=True).logits[0] for i in range(prefix, prefix + scored, chunk)]
+        return torch.log_softmax(torch.cat(logits).float(), dim=-1)
 
     def trial(layer: int, keys: str, values: str) -> KVPolicy:
         entries = [LayerPolicy(dense=True)] * layers
-        entries[layer] = LayerPolicy(keys, values)
+        entries[layer] = LayerPolicy(keys, values, residual_length)
         policy = KVPolicy(entries, center_keys)
         return policy if key_scales is None else policy.with_key_scales(key_scales)
 
@@ -130,14 +142,15 @@ def measure_sensitivity(
             runs = [(i, name, side) for i in range(layers) for side in names for name in names[side]]
             for i, spec, side in tqdm(runs, desc="calibrating", unit="run"):
                 policy = trial(i, spec, NEAR_EXACT) if side == "keys" else trial(i, NEAR_EXACT, spec)
-                logp = predictions(TQCache(model.config, policy=policy, backend=backend))
+                logp = predictions(TQCache(model.config, policy=policy, backend=backend, encode_stride=1))
                 kl[side][spec][i] = max(float((reference.exp() * (reference - logp)).sum(-1).mean()), 0.0)
     finally:
         model.set_attn_implementation(previous)
     return Sensitivity(kl["keys"], kl["values"], layers, config.num_key_value_heads, key_dim, value_dim,
                        weight.element_size(), prefix, scored, center_keys,
                        None if key_scales is None else
-                       [None if t is None else torch.as_tensor(t).tolist() for t in key_scales])
+                       [None if t is None else torch.as_tensor(t).tolist() for t in key_scales],
+                       residual_length, chunk)
 
 
 def policy_for_budget(sensitivity: Sensitivity, budget_bits: float, *, allow_dense: bool = True,
@@ -147,14 +160,15 @@ def policy_for_budget(sensitivity: Sensitivity, budget_bits: float, *, allow_den
     element on average, side data and full-precision layers included, at a context of ``context_tokens`` tokens in a
     cache that keeps its first ``sink_length`` tokens in full precision and encodes ``encode_stride`` tokens at a
     time (``TQCache``'s defaults; :meth:`KVPolicy.bits_per_element`). Options per layer: every pair of the measured
-    key encoders with every measured value encoder, and full precision if ``allow_dense``. The policy's
+    key encoders with every measured value encoder behind the measured window, and full precision if
+    ``allow_dense``. The policy's
     ``calibration`` records the budget, the bits reached, the predicted KL and the measurement. ValueError when the
     budget is below the cheapest choice."""
     check_int(context_tokens, "context_tokens", 1)
     check_int(sink_length, "sink_length", 0)
     check_int(encode_stride, "encode_stride", 1)
     s = sensitivity
-    options = [LayerPolicy(k, v) for k in s.key_kl for v in s.value_kl]
+    options = [LayerPolicy(k, v, s.residual_length) for k in s.key_kl for v in s.value_kl]
     if allow_dense:
         options.append(LayerPolicy(dense=True))
     per_token = [o.bytes_per_token(s.heads, s.key_dim, s.value_dim, context_tokens, s.dense_bytes, s.center_keys,
@@ -181,7 +195,8 @@ def policy_for_budget(sensitivity: Sensitivity, budget_bits: float, *, allow_den
 def calibrate(model: Any, tokens: Tensor, budget_bits: float, *, bits: tuple[int, ...] = (2, 3, 4),
               allow_dense: bool = True, prefix: int = 384, scored: int = 64, context_tokens: int = 2048,
               sink_length: int = SINK_LENGTH, encode_stride: int = ENCODE_STRIDE, center_keys: bool = True,
-              backend: str | None = None, scale_keys: bool = False) -> KVPolicy:
+              backend: str | None = None, scale_keys: bool = False, residual_length: int = 0,
+              chunk: int = 1) -> KVPolicy:
     """A :class:`KVPolicy` for ``model`` at most ``budget_bits`` bits per stored key/value element on
     average: :func:`measure_sensitivity` on calibration ids ``tokens`` [1, T], then :func:`policy_for_budget`
     (arguments as there); with ``scale_keys``, key scales measured on the same tokens first
@@ -189,7 +204,8 @@ def calibrate(model: Any, tokens: Tensor, budget_bits: float, *, bits: tuple[int
     as ``TQCache(model.config, policy=p)``."""
     scales = key_scales(model, tokens) if check_bool(scale_keys, "scale_keys") else None
     sensitivity = measure_sensitivity(model, tokens, bits=bits, prefix=prefix, scored=scored,
-                                      center_keys=center_keys, backend=backend, key_scales=scales)
+                                      center_keys=center_keys, backend=backend, key_scales=scales,
+                                      residual_length=residual_length, chunk=chunk)
     return policy_for_budget(sensitivity, budget_bits, allow_dense=allow_dense, context_tokens=context_tokens,
                              sink_length=sink_length, encode_stride=encode_stride)
 
