@@ -13,8 +13,9 @@ of keys and values add up, to first order), a full-precision layer's is 0, and
 :func:`tqindex.kv.policy.choose` picks per layer the option of least summed loss whose bytes fit the budget
 (every option with the measured window). Scored in larger chunks, a chunk's tokens attend to each other in
 full precision, as a chunked prefill does, which hides the error of the newest tokens' codes that real
-decoding reads: on SmolLM2-135M under real decoding an 8-token window took 3-bit keys and values from
-+10 % to +3-6 % perplexity (``benchmarks/results/kv_quality_smollm2_cpu_small_windows.md``).
+decoding reads: on SmolLM2-135M under real decoding an 8-token window took ``tq4`` (4 sinks, unbiased keys)
+from +2.5 % / +3.6 % perplexity to +0.8 % / +1.8 % (``benchmarks/results/kv_quality_smollm2_cpu_small_windows.md``,
+one run).
 
 The calibration text should be unrelated to the text the cache will be judged on. The result is a plain
 :class:`~tqindex.kv.policy.KVPolicy`: save it, read it, edit it, pass it to ``TQCache(config, policy=...)``.
