@@ -92,7 +92,7 @@ NEEDLE_BITS = 2.75  # the needle must be found by every configuration of at leas
 DEFAULT_CONFIGS = (
     "dynamic", "fp8", "quanto-int4-r128",
     "tq4-r0-p0", "tq4-r0-p0-nc", "tq4-r0-p0-ks", "tq4-r128-p0", "tq3-r0-p0", "tq3-r0-p0-ks", "tq2-r0-p0",
-    "tq2-r0-p0-ks", "policy-b3.25", "policy-b2.5",
+    "tq2-r0-p0-ks", "tq4-r8-p0-s4-ku", "tq3-r8-p0-s4-ku-vu", "policy-b3.25-r8", "policy-b2.5-r8",
 )
 QUICK_CONFIGS = ("dynamic", "tq4-r128-p2")
 CALIBRATION_SCORED = 64
