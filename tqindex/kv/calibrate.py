@@ -162,9 +162,8 @@ def policy_for_budget(sensitivity: Sensitivity, budget_bits: float, *, allow_den
     cache that keeps its first ``sink_length`` tokens in full precision and encodes ``encode_stride`` tokens at a
     time (``TQCache``'s defaults; :meth:`KVPolicy.bits_per_element`). Options per layer: every pair of the measured
     key encoders with every measured value encoder behind the measured window, and full precision if
-    ``allow_dense``. The policy's
-    ``calibration`` records the budget, the bits reached, the predicted KL and the measurement. ValueError when the
-    budget is below the cheapest choice."""
+    ``allow_dense``. The policy's ``calibration`` records the budget, the bits reached, the predicted KL and the
+    measurement. ValueError when the budget is below the cheapest choice."""
     check_int(context_tokens, "context_tokens", 1)
     check_int(sink_length, "sink_length", 0)
     check_int(encode_stride, "encode_stride", 1)
