@@ -5,7 +5,8 @@ Every number comes from one run on one GPU:
 
 - the card's streaming-read roofline (a Triton kernel reading a 4 GiB buffer) and device copy rate;
 - encode throughput of the fused GPU encoder (GB/s of float32 input, fraction of the roofline) for
-  10M x 128 and 1M x 1536;
+  10M x 128 and 1M x 1536, and where its time goes: the same encode with one pre-scale
+  (``code_search=1``: no direction search) and with one pre-scale and no rotation;
 - flat search with 1, 16, 256 and 4096 queries, k = 10 and 100, over 10M random unit vectors of 128
   dims and over GloVe-50 (400k words, 10k held out as queries; cosine): time per search (CUDA events,
   median of repeated runs after warm-up: replays of the search's CUDA graph), the same without graphs
@@ -106,11 +107,16 @@ def measure_encode(results: _run.Results, device: torch.device, quick: bool) -> 
                 ms = bench(lambda: enc.encode_valid(x, backend))
             gbps = n * d * 4 / ms / 1e6
             row[backend] = {"ms": ms, "input_GBps": gbps, "roofline_fraction": gbps / 1000 / roof}
+        for column, options in (("one_prescale_ms", {"code_search": 1}),
+                                ("one_prescale_no_rotation_ms", {"code_search": 1, "rotation": "none"})):
+            part = tq.make_encoder("tq4", d, **options)
+            row[column] = bench(lambda: part.encode_valid(x, "triton"))
         results.data["encode"][key] = row
         results.save()
         print(f"{key}: triton {row['triton']['ms']:.2f} ms ({row['triton']['input_GBps']:.0f} GB/s, "
-              f"{100 * row['triton']['roofline_fraction']:.0f}% of roofline); torch {row['torch']['ms']:.1f} ms",
-              flush=True)
+              f"{100 * row['triton']['roofline_fraction']:.0f}% of roofline; one pre-scale "
+              f"{row['one_prescale_ms']:.2f} ms, also no rotation {row['one_prescale_no_rotation_ms']:.2f} ms); "
+              f"torch {row['torch']['ms']:.1f} ms", flush=True)
         del x
 
 
@@ -242,11 +248,13 @@ def markdown(data: dict) -> str:
              f"{env['versions'].get('torch')}, triton {env['versions'].get('triton')}, {env['date_utc']}", "",
              f"Roofline (measured in this run): streaming read {data['roofline']['read_TBps']:.2f} TB/s, "
              f"device copy {data['roofline']['copy_TBps']:.2f} TB/s.", "", "## Encode (tq4)", "",
-             "| rows x dim | triton ms | GB/s of input | of roofline | torch ms |", "|---|--:|--:|--:|--:|"]
+             "| rows x dim | triton ms | GB/s of input | of roofline | one pre-scale ms "
+             "| one pre-scale, no rotation ms | torch ms |", "|---|--:|--:|--:|--:|--:|--:|"]
     for row in data["encode"].values():
         t = row["triton"]
+        parts = [f"{row[k]:.2f}" if k in row else "" for k in ("one_prescale_ms", "one_prescale_no_rotation_ms")]
         lines.append(f"| {row['n']} x {row['dim']} | {t['ms']:.2f} | {t['input_GBps']:.0f} | "
-                     f"{100 * t['roofline_fraction']:.0f} % | {row['torch']['ms']:.1f} |")
+                     f"{100 * t['roofline_fraction']:.0f} % | {' | '.join(parts)} | {row['torch']['ms']:.1f} |")
     for name, sec in data["flat"].items():
         lines += ["", f"## Flat search: {name} ({sec['n']} x {sec['dim']}, {sec['code_size']} B codes, "
                   f"{sec['memory_bytes_per_vector']:.1f} B held per vector)", "",
