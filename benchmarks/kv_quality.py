@@ -31,9 +31,10 @@ makes their inner products unbiased (the ``tq{b}-unbiased`` encoders, where ``tq
 ``-ku``, values likewise with ``-vu`` (attention's output is then unbiased: ``tq{b}`` values point along their
 code, so each is shrunk along its own direction by the code's cosine), with per-channel key scales
 (:func:`tqindex.kv.key_scales`, calibrated on the third text below) with ``-ks``;
-``policy-b{bits}[-r{N}]``: a per-layer policy chosen by :func:`tqindex.kv.calibrate` for an average of at most
-``bits`` bits per element at ``--tokens`` tokens of context, with ``TQCache``'s default sink tokens and a window
-of N tokens in every layer (``-ks``: measured and kept with key scales), measured under real decoding behind
+``policy-b{bits}[-r{N}][-ks][-vu]``: a per-layer policy chosen by :func:`tqindex.kv.calibrate` for an average of
+at most ``bits`` bits per element at ``--tokens`` tokens of context, with ``TQCache``'s default sink tokens and a
+window of N tokens in every layer (``-ks``: measured and kept with key scales; ``-vu``: values measured and
+chosen among ``tq{b}-unbiased``), measured under real decoding behind
 that window and calibrated on a third text
 (:data:`_lm.CALIBRATION_TOPICS`, disjoint from both). tqindex runs use the ``"tqindex"`` attention
 implementation (attention computed from the codes) and encode each token as it leaves the window
@@ -119,11 +120,14 @@ class CacheSpec:
     protected_layers: int | None = None
     budget_bits: float | None = None
     key_scales: bool = False
+    values_unbiased: bool = False  # policies: measured and chosen among tq{b}-unbiased values
 
 
-def sensitivity_name(scaled: bool, window: int) -> str:
-    """The CALIBRATION entry of the sensitivity measured with key scales or not, behind a window of ``window``."""
-    return "sensitivity" + (f"-r{window}" if window else "") + ("-ks" if scaled else "")
+def sensitivity_name(scaled: bool, window: int, values_unbiased: bool = False) -> str:
+    """The CALIBRATION entry of the sensitivity measured with key scales or not, behind a window of ``window``,
+    with plain or unbiased values."""
+    return "sensitivity" + (f"-r{window}" if window else "") + ("-ks" if scaled else "") + (
+        "-vu" if values_unbiased else "")
 
 
 def cache_spec(name: str) -> CacheSpec:
@@ -147,11 +151,12 @@ def cache_spec(name: str) -> CacheSpec:
         return CacheSpec(name, "tqindex", "tqindex FP8Cache: E4M3, one scale per token and head",
                          lambda cfg: FP8Cache(cfg))
     if name.startswith("policy-b"):
-        policy_match = re.fullmatch(r"policy-b(\d+(?:\.\d+)?)(?:-r(\d+))?(-ks)?", name)
+        policy_match = re.fullmatch(r"policy-b(\d+(?:\.\d+)?)(?:-r(\d+))?(-ks)?(-vu)?", name)
         if not policy_match:
-            raise ValueError(f"policy configuration must look like 'policy-b3.25[-r8][-ks]', got {name!r}")
-        bits, window, scaled = float(policy_match[1]), int(policy_match[2] or 0), bool(policy_match[3])
-        measured = sensitivity_name(scaled, window)
+            raise ValueError(f"policy configuration must look like 'policy-b3.25[-r8][-ks][-vu]', got {name!r}")
+        bits, window = float(policy_match[1]), int(policy_match[2] or 0)
+        scaled, values_unbiased = bool(policy_match[3]), bool(policy_match[4])
+        measured = sensitivity_name(scaled, window, values_unbiased)
 
         def make_policy(cfg: Any) -> Any:
             if measured not in CALIBRATION:
@@ -162,8 +167,9 @@ def cache_spec(name: str) -> CacheSpec:
 
         return CacheSpec(name, "tqindex", f"TQCache with a per-layer policy calibrated for <= {bits:g} bits "
                          f"per element, window {window}, the first {SINK_LENGTH} tokens never encoded"
-                         + (", calibrated key scales" if scaled else ""), make_policy, "tqindex",
-                         residual_length=window, budget_bits=bits, key_scales=scaled)
+                         + (", calibrated key scales" if scaled else "")
+                         + (", values scaled to be unbiased" if values_unbiased else ""), make_policy, "tqindex",
+                         residual_length=window, budget_bits=bits, key_scales=scaled, values_unbiased=values_unbiased)
     if name.startswith("quanto-int"):
         try:
             bits_s, res_s = name.removeprefix("quanto-int").split("-r")
@@ -206,7 +212,7 @@ def cache_spec(name: str) -> CacheSpec:
                          f"TQCache {kv}, residual {res}, {prot}+{prot} protected layers, {keys}{sinks}", make,
                          "tqindex", preset, res, prot, key_scales=scaled)
     known = ("dynamic, fp8, fp8-tq, quanto-int{2,4}-r{N}, {" + ",".join(TQ_PRESETS) + f",k[{TQ_BITS}]v[{TQ_BITS}]"
-             + "}-r{N}-p{N}[-s{N}][-nc][-ku][-vu][-ks], policy-b{bits}[-r{N}][-ks]")
+             + "}-r{N}-p{N}[-s{N}][-nc][-ku][-vu][-ks], policy-b{bits}[-r{N}][-ks][-vu]")
     raise ValueError(f"unknown configuration {name!r}; known forms: {known}")
 
 
@@ -584,13 +590,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         text = _lm.calibration_text()
         ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[:, :args.calibration_tokens]
         CALIBRATION.update(key_scales=key_scales(model, ids), context_tokens=args.tokens)
-        for scaled, window in sorted({(s.key_scales, s.residual_length) for s in specs if s.budget_bits is not None}):
-            CALIBRATION[sensitivity_name(scaled, window)] = measure_sensitivity(
+        for scaled, window, unbiased in sorted({(s.key_scales, s.residual_length, s.values_unbiased)
+                                                for s in specs if s.budget_bits is not None}):
+            CALIBRATION[sensitivity_name(scaled, window, unbiased)] = measure_sensitivity(
                 model, ids, prefix=ids.shape[1] - CALIBRATION_SCORED, scored=CALIBRATION_SCORED,
-                key_scales=CALIBRATION["key_scales"] if scaled else None, residual_length=window)
-        policies = {spec.name: policy_for_budget(CALIBRATION[sensitivity_name(spec.key_scales, spec.residual_length)],
-                                                 spec.budget_bits, context_tokens=args.tokens,
-                                                 encode_stride=ENCODE_STRIDE)
+                key_scales=CALIBRATION["key_scales"] if scaled else None, residual_length=window,
+                unbiased_values=unbiased)
+        policies = {spec.name: policy_for_budget(
+                        CALIBRATION[sensitivity_name(spec.key_scales, spec.residual_length, spec.values_unbiased)],
+                        spec.budget_bits, context_tokens=args.tokens, encode_stride=ENCODE_STRIDE)
                     for spec in specs if spec.budget_bits is not None}
         calibration = {"text": _lm.text_info(text, _lm.CALIBRATION_TOPICS), "tokens": ids.shape[1],
                        "context_tokens": args.tokens, "time_s": time.perf_counter() - t1,

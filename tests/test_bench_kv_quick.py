@@ -47,6 +47,10 @@ def test_every_default_configuration_parses():
     spec = kv_quality.cache_spec("policy-b3.25-r8-ks")
     assert (spec.budget_bits, spec.residual_length, spec.key_scales) == (3.25, 8, True)
     assert kv_quality.sensitivity_name(True, 8) == "sensitivity-r8-ks"
+    spec = kv_quality.cache_spec("policy-b2.5-r8-vu")
+    assert (spec.budget_bits, spec.residual_length, spec.key_scales, spec.values_unbiased) == (2.5, 8, False, True)
+    assert "values scaled to be unbiased" in spec.description
+    assert kv_quality.sensitivity_name(False, 8, True) == "sensitivity-r8-vu"
     spec = kv_quality.cache_spec("tq3-r0-p0-s4-nc-ku-ks")
     assert all(s in spec.description for s in ("first 4 tokens", "not centered", "unbiased", "key scales"))
 

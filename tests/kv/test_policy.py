@@ -187,5 +187,11 @@ def test_calibration_spends_the_budget_where_it_matters():
     assert sum(windowed.key_kl["tq2-unbiased"]) < sum(sens.key_kl["tq2-unbiased"])  # the newest 8 tokens exact
     kept = policy_for_budget(windowed, 3.0, allow_dense=False, context_tokens=2048)
     assert all(layer.residual_length == 8 for layer in kept.layers) and kept.calibration["bits"] <= 3.0
+    unbiased = measure_sensitivity(model, ids, bits=(2,), prefix=40, scored=16, unbiased_values=True)
+    assert set(unbiased.value_kl) == {"tq2-unbiased"}
+    assert unbiased.key_kl == {"tq2-unbiased": sens.key_kl["tq2-unbiased"]}  # keys measured as before
+    chosen = policy_for_budget(unbiased, 3.0, allow_dense=False, context_tokens=2048)
+    assert all(layer.value_encoder == "tq2-unbiased" for layer in chosen.layers)
+    assert TQCache(model.config, policy=chosen).policy.layers == chosen.layers
     with pytest.raises(ValueError, match="prefix \\+ scored"):
         measure_sensitivity(model, ids[:, :20], prefix=40, scored=16)

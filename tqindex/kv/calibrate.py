@@ -7,7 +7,8 @@ tokens, its first ``prefix`` tokens go through a cache in which one layer stores
 ``residual_length`` full-precision tokens and every other layer stays in full precision, the next ``scored``
 tokens are predicted ``chunk`` at a time over that growing history (1, the default: real decoding, each new
 token encoded once it leaves the window), and the sensitivity is the mean KL divergence of those predictions
-from a full-precision cache's, in nats. Values (``tq{b}``) are measured the same way (keys at 8 bits). A
+from a full-precision cache's, in nats. Values (``tq{b}``, or ``tq{b}-unbiased`` with ``unbiased_values``:
+codes scaled so that attention's output is unbiased) are measured the same way (keys at 8 bits). A
 layer's loss for ``b_k``-bit keys and ``b_v``-bit values is the sum of the two (errors of different layers and
 of keys and values add up, to first order), a full-precision layer's is 0, and
 :func:`tqindex.kv.policy.choose` picks per layer the option of least summed loss whose bytes fit the budget
@@ -91,9 +92,11 @@ def measure_sensitivity(
     key_scales: Sequence[Any] | None = None,
     residual_length: int = 0,
     chunk: int = 1,
+    unbiased_values: bool = False,
 ) -> Sensitivity:
-    """Each layer's sensitivity to ``"tq{b}-unbiased"`` keys and ``"tq{b}"`` values, for b in ``bits``, behind a
-    window of ``residual_length`` tokens, the ``scored`` tokens fed ``chunk`` at a time (module notes).
+    """Each layer's sensitivity to ``"tq{b}-unbiased"`` keys and ``"tq{b}"`` values (``"tq{b}-unbiased"`` with
+    ``unbiased_values``), for b in ``bits``, behind a window of ``residual_length`` tokens, the ``scored`` tokens
+    fed ``chunk`` at a time (module notes).
 
     model: a transformers causal LM; tokens: calibration token ids [1, T] (or [T]) with T >= prefix +
     scored; backend: the kernels of the trial caches; key_scales: per-layer key scales (:func:`key_scales`)
@@ -108,6 +111,7 @@ def measure_sensitivity(
     check_int(scored, "scored", 1)
     check_int(residual_length, "residual_length", 0)
     check_int(chunk, "chunk", 1)
+    check_bool(unbiased_values, "unbiased_values")
     if not isinstance(tokens, Tensor) or tokens.dim() != 2 or tokens.shape[0] != 1 \
             or tokens.shape[1] < prefix + scored:
         got = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
@@ -133,7 +137,8 @@ def measure_sensitivity(
         policy = KVPolicy(entries, center_keys)
         return policy if key_scales is None else policy.with_key_scales(key_scales)
 
-    names = {"keys": [KEY_ENCODER.format(b) for b in bits], "values": [f"tq{b}" for b in bits]}
+    value = "tq{}-unbiased" if unbiased_values else "tq{}"
+    names = {"keys": [KEY_ENCODER.format(b) for b in bits], "values": [value.format(b) for b in bits]}
     kl = {side: {name: [0.0] * layers for name in names[side]} for side in names}
     previous = model.config._attn_implementation
     model.set_attn_implementation("tqindex")
@@ -196,7 +201,7 @@ def calibrate(model: Any, tokens: Tensor, budget_bits: float, *, bits: tuple[int
               allow_dense: bool = True, prefix: int = 384, scored: int = 64, context_tokens: int = 2048,
               sink_length: int = SINK_LENGTH, encode_stride: int = ENCODE_STRIDE, center_keys: bool = True,
               backend: str | None = None, scale_keys: bool = False, residual_length: int = 0,
-              chunk: int = 1) -> KVPolicy:
+              chunk: int = 1, unbiased_values: bool = False) -> KVPolicy:
     """A :class:`KVPolicy` for ``model`` at most ``budget_bits`` bits per stored key/value element on
     average: :func:`measure_sensitivity` on calibration ids ``tokens`` [1, T], then :func:`policy_for_budget`
     (arguments as there); with ``scale_keys``, key scales measured on the same tokens first
@@ -205,7 +210,7 @@ def calibrate(model: Any, tokens: Tensor, budget_bits: float, *, bits: tuple[int
     scales = key_scales(model, tokens) if check_bool(scale_keys, "scale_keys") else None
     sensitivity = measure_sensitivity(model, tokens, bits=bits, prefix=prefix, scored=scored,
                                       center_keys=center_keys, backend=backend, key_scales=scales,
-                                      residual_length=residual_length, chunk=chunk)
+                                      residual_length=residual_length, chunk=chunk, unbiased_values=unbiased_values)
     return policy_for_budget(sensitivity, budget_bits, allow_dense=allow_dense, context_tokens=context_tokens,
                              sink_length=sink_length, encode_stride=encode_stride)
 
