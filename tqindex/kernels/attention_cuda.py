@@ -62,7 +62,8 @@ def _module(dim: int, keys: int, values: int, stages: int) -> Any:
                                      (("D", dim), ("KEYS", keys), ("VALUES", values), ("STAGES", stages))]
     try:
         return load_inline(f"tqindex_attention_decode_d{dim}_k{keys}_v{values}_s{stages}", cpp_sources=_DECLARATION,
-                           cuda_sources=SOURCE.read_text(), functions=["decode_launch"], extra_cuda_cflags=flags)
+                           cuda_sources=SOURCE.read_text(), functions=["decode_launch"], extra_cuda_cflags=flags,
+                           extra_include_paths=[str(SOURCE.parent)])
     except Exception as e:  # a compiler or toolkit problem: the Triton kernel still runs
         warnings.warn(f"the CUDA attention kernel could not be built ({e}); attention runs the Triton kernel",
                       RuntimeWarning, stacklevel=3)

@@ -35,7 +35,7 @@ from torch import Tensor
 from ..codes import Codes
 from ..scorer import CodeRunList, Scorer
 from ..topk import TopK, top_columns
-from . import multiprocessors
+from . import multiprocessors, scan_cuda
 from .graphs import any_true
 from .planes import RunLayout, cdiv, coordinates_on, next_power_of_2, run_layouts, to_planes
 
@@ -537,6 +537,10 @@ class TritonScorer(Scorer):
         return dict(R0=self.runs[0], R1=self.runs[1], R2=self.runs[2], L2=self.l2, DECODE=self.decode,
                     BLOCK_N=block_n, BLOCK_Q=block_q, num_warps=warps)
 
+    def _cuda_tiles(self, codes: Codes, m: int) -> bool:
+        """Whether the CUDA kernel (``scan_cuda``) computes tile maxima of ``m`` queries over ``codes``."""
+        return self.decode == DECODE_PRMT and scan_cuda.reads(self.runs, codes, m)
+
     # -- flat -------------------------------------------------------------------------------------------
     def scan(self, codes: Codes, k: int, rows: Tensor | None = None, mode: int = MODE_TOPK,
              threshold: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -548,6 +552,10 @@ class TritonScorer(Scorer):
         sel = slice(None) if rows is None else rows
         qp, qscale = self.qp[sel].contiguous(), self.qscale[sel].contiguous()
         n, m, kt = len(codes), len(qp), 1 if mode == MODE_MAX else candidate_depth(k)  # MODE_MAX: one row
+        if mode in (MODE_MAX, MODE_TILE_MAX) and self._cuda_tiles(codes, m):
+            maxima = scan_cuda.tile_maxima(codes, qp, RunLayout(*self.runs[0]), qscale, self.tables[:4], self.l2)
+            maxima = maxima.amax(1, keepdim=True) if mode == MODE_MAX else maxima
+            return maxima, maxima, None
         common = self._common(m, mode)
         block_n, q_blocks = common["BLOCK_N"], cdiv(m, common["BLOCK_Q"])
         sms = multiprocessors(qp.device)
@@ -585,7 +593,7 @@ class TritonScorer(Scorer):
         scan keeps the rows that reach it (queries whose candidates overflow are scanned again with a running
         top-k)."""
         n, kt, m = len(codes), candidate_depth(k), self.m if rows is None else len(rows)
-        block_n = self._common(m, MODE_TILE_MAX)["BLOCK_N"]
+        block_n = scan_cuda.TILE if self._cuda_tiles(codes, m) else self._common(m, MODE_TILE_MAX)["BLOCK_N"]
         sample = max(n // SAMPLE_FRACTION, SAMPLE_TILES * kt * block_n)
         if n <= 2 * sample:
             return *self.scan(codes, k, rows)[:2], False
