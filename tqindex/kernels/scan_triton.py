@@ -18,6 +18,9 @@ tree over the magnitude bits (any device, also Triton's interpreter), 2 (4-bit r
 PTX ``prmt`` byte permutes from four registers holding the eight f16 magnitudes, eight codes per
 instruction sequence.
 
+For 1-8 queries over ``tq4`` codes, a CUDA C++ kernel (:mod:`~tqindex.kernels.scan_cuda`) computes the tile
+maxima of a scan of few queries instead, with less work per code.
+
 The candidates are then re-scored exactly by the same tile code in float32 (:func:`_rescore_kernel`: float32
 levels and queries, one query per program, the candidate rows read in place), so scores and the final top-k
 equal the reference scan's (:class:`~tqindex.scorer.DecodeScorer`) up to summation order and exact ties.
@@ -548,7 +551,7 @@ class TritonScorer(Scorer):
         [m, c], their rows int32 [m, c] (score -inf: none), bool [m] or None). MODE_TOPK: each program's top
         candidates; MODE_FILTER: the rows scoring at least ``threshold`` (float32 [m], any stride), and whether
         a query had more than there was room for (overflow); MODE_MAX: each query's maximum only (to time the
-        scan alone)."""
+        scan alone). MODE_TILE_MAX and MODE_MAX run the CUDA kernel of ``scan_cuda`` where it reads the codes."""
         sel = slice(None) if rows is None else rows
         qp, qscale = self.qp[sel].contiguous(), self.qscale[sel].contiguous()
         n, m, kt = len(codes), len(qp), 1 if mode == MODE_MAX else candidate_depth(k)  # MODE_MAX: one row
