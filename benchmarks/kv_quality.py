@@ -563,7 +563,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the benchmark; print the markdown table; write ``--out``.json/.md if set. -> the result."""
-    from tqindex.kv import key_scales, measure_sensitivity, policy_for_budget
+    from tqindex.kv import key_scales, measure_sensitivity, policy_for_budget, sensitivity_template
 
     args = parse_args(argv)
     specs = [cache_spec(name) for name in ["dynamic", *(c for c in args.configs if c != "dynamic")]]  # the
@@ -584,6 +584,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         needle_ids, position = needle_prompt(tokenizer, _lm.filler_text(), args.needle_tokens, args.needle_depth)
         needle = {"sentence": NEEDLE, "question": QUESTION, "position": position,
                   "prompt_tokens": needle_ids.shape[1], "filler": _lm.text_info(_lm.filler_text(), _lm.FILLER_TOPICS)}
+    for spec in specs:  # a budget below its cheapest choice fails now, not after the calibration
+        if spec.budget_bits is not None:
+            try:
+                policy_for_budget(sensitivity_template(model, residual_length=spec.residual_length,
+                                                       unbiased_values=spec.values_unbiased),
+                                  spec.budget_bits, context_tokens=args.tokens, encode_stride=ENCODE_STRIDE)
+            except ValueError as e:
+                raise SystemExit(f"{spec.name}: {e} at {args.tokens} tokens of context") from None
     calibration = None
     if any(spec.budget_bits is not None or spec.key_scales for spec in specs):
         t1 = time.perf_counter()

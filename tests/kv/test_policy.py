@@ -1,5 +1,6 @@
 """Centered keys (KVStore), per-layer policies (KVPolicy, choose, TQCache(policy=...)) and calibration."""
 
+import importlib
 import itertools
 import json
 
@@ -8,7 +9,8 @@ import torch
 import transformers
 
 import tqindex as tq
-from tqindex.kv import KVPolicy, KVStore, LayerPolicy, TQCache, calibrate, measure_sensitivity, policy_for_budget
+from tqindex.kv import (KVPolicy, KVStore, LayerPolicy, TQCache, calibrate, measure_sensitivity, policy_for_budget,
+                        sensitivity_template)
 from tqindex.kv.attention import compressed_attention, dense_attention
 from tqindex.kv.hf import TQLayer
 from tqindex.kv.policy import ENCODE_STRIDE, choose
@@ -195,3 +197,19 @@ def test_calibration_spends_the_budget_where_it_matters():
     assert TQCache(model.config, policy=chosen).policy.layers == chosen.layers
     with pytest.raises(ValueError, match="prefix \\+ scored"):
         measure_sensitivity(model, ids[:, :20], prefix=40, scored=16)
+
+
+def test_a_budget_below_the_cheapest_choice_fails_before_the_measurement(monkeypatch):
+    """The template of a measurement has its names, dims and window, every KL 0; calibrate checks the budget on it
+    first (a window of 128 float32 tokens alone costs more than 3 bits per element at 2,048 tokens)."""
+    cal = importlib.import_module("tqindex.kv.calibrate")  # the module (tqindex.kv.calibrate is the function)
+    model = seeded(transformers.LlamaForCausalLM, llama_config(num_hidden_layers=3))
+    ids = prompt(length=56, seed=5)
+    template = sensitivity_template(model, bits=(2, 4), residual_length=128, unbiased_values=True)
+    assert set(template.key_kl) == {"tq2-unbiased", "tq4-unbiased"} and set(template.value_kl) == {"tq2-unbiased",
+                                                                                                     "tq4-unbiased"}
+    assert (template.layers, template.heads, template.key_dim, template.dense_bytes) == (3, 2, 32, 4)
+    assert template.residual_length == 128 and all(x == 0 for v in template.key_kl.values() for x in v)
+    monkeypatch.setattr(cal, "measure_sensitivity", lambda *a, **kw: pytest.fail("measured before the check"))
+    with pytest.raises(ValueError, match="below the cheapest"):
+        calibrate(model, ids, 3.0, bits=(2, 4), prefix=40, scored=16, allow_dense=False, residual_length=128)

@@ -41,10 +41,12 @@ __all__ = [
     "key_scales",
     "measure_sensitivity",
     "policy_for_budget",
+    "sensitivity_template",
 ]
 
 try:  # importing hf registers the "tqindex" attention implementation with transformers
-    from .calibrate import Sensitivity, calibrate, key_scales, measure_sensitivity, policy_for_budget
+    from .calibrate import (Sensitivity, calibrate, key_scales, measure_sensitivity, policy_for_budget,
+                            sensitivity_template)
     from .decode_graph import DecodeGraph
     from .fp8 import FP8Cache, FP8Layer
     from .hf import TQCache, TQLayer
@@ -55,7 +57,7 @@ except ImportError as err:  # transformers missing: storage and attention still 
 
     def __getattr__(name: str) -> Any:
         if name in ("TQCache", "TQLayer", "FP8Cache", "FP8Layer", "calibrate", "key_scales", "measure_sensitivity",
-                    "policy_for_budget", "Sensitivity", "DecodeGraph"):
+                    "policy_for_budget", "sensitivity_template", "Sensitivity", "DecodeGraph"):
             raise ImportError(
                 f"tqindex.kv.{name} needs transformers >= 5.0: pip install 'tqindex[kv]' ({_HF_ERROR})"
             ) from _HF_ERROR

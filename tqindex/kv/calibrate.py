@@ -104,7 +104,7 @@ def measure_sensitivity(
     ceil(scored / chunk) steps of the model (a progress bar counts the trials); the model's attention
     implementation is restored afterwards.
     """
-    from .hf import TQCache, _head_dims
+    from .hf import TQCache
 
     tokens = tokens.reshape(1, -1) if isinstance(tokens, Tensor) and tokens.dim() == 1 else tokens
     check_int(prefix, "prefix", 1)
@@ -118,9 +118,10 @@ def measure_sensitivity(
         raise ValueError(f"tokens must be ids [1, T] with T >= prefix + scored = {prefix + scored}, got {got}")
     if not bits or any(b not in MSE_BITS for b in bits):
         raise ValueError(f"bits must be widths among {MSE_BITS}, got {bits!r}")
-    config = model.config.get_text_config(decoder=True)
-    layers = len(DynamicCache(config=model.config).layers)
-    key_dim, value_dim = _head_dims(config)
+    template = sensitivity_template(model, bits=bits, prefix=prefix, scored=scored, center_keys=center_keys,
+                                    key_scales=key_scales, residual_length=residual_length, chunk=chunk,
+                                    unbiased_values=unbiased_values)
+    layers = template.layers
     weight = next(model.parameters())
     tokens = tokens.to(weight.device)
     kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -137,23 +138,37 @@ def measure_sensitivity(
         policy = KVPolicy(entries, center_keys)
         return policy if key_scales is None else policy.with_key_scales(key_scales)
 
-    value = "tq{}-unbiased" if unbiased_values else "tq{}"
-    names = {"keys": [KEY_ENCODER.format(b) for b in bits], "values": [value.format(b) for b in bits]}
-    kl = {side: {name: [0.0] * layers for name in names[side]} for side in names}
+    kl = {"keys": template.key_kl, "values": template.value_kl}  # filled in place
     previous = model.config._attn_implementation
     model.set_attn_implementation("tqindex")
     try:
         with torch.inference_mode():
             reference = predictions(DynamicCache(config=model.config))
-            runs = [(i, name, side) for i in range(layers) for side in names for name in names[side]]
+            runs = [(i, name, side) for i in range(layers) for side in kl for name in kl[side]]
             for i, spec, side in tqdm(runs, desc="calibrating", unit="run"):
                 policy = trial(i, spec, NEAR_EXACT) if side == "keys" else trial(i, NEAR_EXACT, spec)
                 logp = predictions(TQCache(model.config, policy=policy, backend=backend, encode_stride=1))
                 kl[side][spec][i] = max(float((reference.exp() * (reference - logp)).sum(-1).mean()), 0.0)
     finally:
         model.set_attn_implementation(previous)
-    return Sensitivity(kl["keys"], kl["values"], layers, config.num_key_value_heads, key_dim, value_dim,
-                       weight.element_size(), prefix, scored, center_keys,
+    return template
+
+
+def sensitivity_template(model: Any, *, bits: tuple[int, ...] = (2, 3, 4), prefix: int = 384, scored: int = 64,
+                         center_keys: bool = True, key_scales: Sequence[Any] | None = None, residual_length: int = 0,
+                         chunk: int = 1, unbiased_values: bool = False) -> Sensitivity:
+    """What :func:`measure_sensitivity` returns for ``model`` with these arguments (the same names), every KL 0,
+    without running the model: the options and their bytes, so that a budget can be checked
+    (:func:`policy_for_budget` raises where it is below the cheapest choice) before a long measurement."""
+    from .hf import _head_dims
+
+    config = model.config.get_text_config(decoder=True)
+    layers = len(DynamicCache(config=model.config).layers)
+    key_dim, value_dim = _head_dims(config)
+    value = "tq{}-unbiased" if unbiased_values else "tq{}"
+    return Sensitivity({KEY_ENCODER.format(b): [0.0] * layers for b in bits},
+                       {value.format(b): [0.0] * layers for b in bits}, layers, config.num_key_value_heads, key_dim,
+                       value_dim, next(model.parameters()).element_size(), prefix, scored, center_keys,
                        None if key_scales is None else
                        [None if t is None else torch.as_tensor(t).tolist() for t in key_scales],
                        residual_length, chunk)
@@ -207,6 +222,11 @@ def calibrate(model: Any, tokens: Tensor, budget_bits: float, *, bits: tuple[int
     (arguments as there); with ``scale_keys``, key scales measured on the same tokens first
     (:func:`key_scales`), which the measurement and the policy use. Save it with :meth:`KVPolicy.save`; use it
     as ``TQCache(model.config, policy=p)``."""
+    # a budget below the cheapest choice fails now, not after the measurement
+    policy_for_budget(sensitivity_template(model, bits=bits, center_keys=center_keys, residual_length=residual_length,
+                                           unbiased_values=unbiased_values),
+                      budget_bits, allow_dense=allow_dense, context_tokens=context_tokens, sink_length=sink_length,
+                      encode_stride=encode_stride)
     scales = key_scales(model, tokens) if check_bool(scale_keys, "scale_keys") else None
     sensitivity = measure_sensitivity(model, tokens, bits=bits, prefix=prefix, scored=scored,
                                       center_keys=center_keys, backend=backend, key_scales=scales,
