@@ -213,3 +213,5 @@ def test_a_budget_below_the_cheapest_choice_fails_before_the_measurement(monkeyp
     monkeypatch.setattr(cal, "measure_sensitivity", lambda *a, **kw: pytest.fail("measured before the check"))
     with pytest.raises(ValueError, match="below the cheapest"):
         calibrate(model, ids, 3.0, bits=(2, 4), prefix=40, scored=16, allow_dense=False, residual_length=128)
+    with pytest.raises(ValueError, match="bits must be widths"):
+        calibrate(model, ids, 3.0, bits=(5,), prefix=40, scored=16)

@@ -116,8 +116,6 @@ def measure_sensitivity(
             or tokens.shape[1] < prefix + scored:
         got = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
         raise ValueError(f"tokens must be ids [1, T] with T >= prefix + scored = {prefix + scored}, got {got}")
-    if not bits or any(b not in MSE_BITS for b in bits):
-        raise ValueError(f"bits must be widths among {MSE_BITS}, got {bits!r}")
     template = sensitivity_template(model, bits=bits, prefix=prefix, scored=scored, center_keys=center_keys,
                                     key_scales=key_scales, residual_length=residual_length, chunk=chunk,
                                     unbiased_values=unbiased_values)
@@ -162,6 +160,8 @@ def sensitivity_template(model: Any, *, bits: tuple[int, ...] = (2, 3, 4), prefi
     (:func:`policy_for_budget` raises where it is below the cheapest choice) before a long measurement."""
     from .hf import _head_dims
 
+    if not bits or any(b not in MSE_BITS for b in bits):
+        raise ValueError(f"bits must be widths among {MSE_BITS}, got {bits!r}")
     config = model.config.get_text_config(decoder=True)
     layers = len(DynamicCache(config=model.config).layers)
     key_dim, value_dim = _head_dims(config)
