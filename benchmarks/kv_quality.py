@@ -656,8 +656,14 @@ def merge(paths: list[Path], out: Path) -> dict[str, Any]:
     for run in runs:
         rows += [r for r in run["rows"] if r["config"] not in seen]
         seen |= {r["config"] for r in run["rows"]}
-    result = {**first, "rows": rows, "merged_from": [str(p) for p in paths],
-              "calibration": next((r["calibration"] for r in runs if r.get("calibration")), None),
+    calibrations = [r["calibration"] for r in runs if r.get("calibration")]
+    calibration = None
+    if calibrations:  # the same text and settings: every run's policies and measurements, their times summed
+        calibration = {**calibrations[0], "time_s": sum(c["time_s"] for c in calibrations),
+                       "policies": {name: p for c in calibrations for name, p in c["policies"].items()}}
+        for c in calibrations[1:]:
+            calibration.update({k: v for k, v in c.items() if k.startswith("sensitivity") and k not in calibration})
+    result = {**first, "rows": rows, "merged_from": [str(p) for p in paths], "calibration": calibration,
               "total_time_s": max(r["total_time_s"] for r in runs)}
     result["args"] = {**first["args"], "configs": [r["config"] for r in rows], "out": str(out)}
     print(write(result, out))

@@ -150,3 +150,24 @@ def test_quick_run_writes_a_complete_result(tmp_path):
     assert abs(rows["tq4-r128-p2"]["worst_increase_pct"]) < 10.0
     assert result["env"]["versions"]["torch"] and result["texts"]["A"]["sha256"] != result["texts"]["B"]["sha256"]
     assert "| tq4-r128-p2 |" in out.with_suffix(".md").read_text()
+
+
+def test_merge_keeps_every_run_rows_and_policies(tmp_path):
+    """Runs of disjoint configurations at one commit merge into one report with every run's rows and policies
+    (a committed two-policy result split into two runs)."""
+    whole = json.loads((ROOT / "benchmarks/results/kv_quality_smollm2_cpu_policies_real_decoding.json").read_text())
+    names = list(whole["calibration"]["policies"])
+    assert len(names) == 2
+    paths = []
+    for i, name in enumerate(names):
+        run = json.loads(json.dumps(whole))
+        run["rows"] = [r for r in run["rows"] if r["config"] in ("dynamic", name)]
+        run["calibration"]["policies"] = {name: whole["calibration"]["policies"][name]}
+        run["calibration"]["time_s"] = 100.0 * (i + 1)
+        paths.append(tmp_path / f"run{i}.json")
+        paths[-1].write_text(json.dumps(run))
+    merged = kv_quality.merge(paths, tmp_path / "merged")
+    assert [r["config"] for r in merged["rows"]] == ["dynamic", *names]
+    assert list(merged["calibration"]["policies"]) == names and merged["calibration"]["time_s"] == 300.0
+    report = (tmp_path / "merged.md").read_text()
+    assert all(f"`{name}` (" in report for name in names) and "300 s" in report
