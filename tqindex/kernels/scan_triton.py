@@ -523,10 +523,13 @@ CAPACITY_EXTRA; a query whose candidates overflow it is scanned again with the r
 
 class TritonScorer(Scorer):
     """The GPU scorer of direction codes (module notes). ``decode`` overrides the decode of 4-bit runs
-    (DECODE_GATHER, DECODE_SELECT, DECODE_PRMT)."""
+    (DECODE_GATHER, DECODE_SELECT, DECODE_PRMT); ``cuda=False`` keeps the CUDA tile-maxima kernel out (to time
+    the Triton kernel beside it)."""
 
-    def __init__(self, encoder: Any, qs: Tensor, l2: bool, bar: Any = None, decode: int | None = None) -> None:
+    def __init__(self, encoder: Any, qs: Tensor, l2: bool, bar: Any = None, decode: int | None = None,
+                 cuda: bool = True) -> None:
         super().__init__(encoder, qs, l2, bar)
+        self.cuda = cuda
         self.runs, self.mags, self.tables = encoder.derived(qs.device, "triton-scan",
                                                             lambda: _scan_tables(encoder, qs.device))
         self.qp32, self.qp, self.qscale = planar_queries_triton(qs, [RunLayout(*r) for r in self.runs])
@@ -542,7 +545,7 @@ class TritonScorer(Scorer):
 
     def _cuda_tiles(self, codes: Codes, m: int) -> bool:
         """Whether the CUDA kernel (``scan_cuda``) computes tile maxima of ``m`` queries over ``codes``."""
-        return self.decode == DECODE_PRMT and scan_cuda.reads(self.runs, codes, m)
+        return self.cuda and self.decode == DECODE_PRMT and scan_cuda.reads(self.runs, codes, m)
 
     # -- flat -------------------------------------------------------------------------------------------
     def scan(self, codes: Codes, k: int, rows: Tensor | None = None, mode: int = MODE_TOPK,
