@@ -65,7 +65,7 @@ def require_clean(out: Path, env: dict[str, Any]) -> None:
 def sources_digest(folder: Path, pattern: str) -> str:
     """SHA-256 of the Python, C and CUDA sources matching ``pattern`` under folder (paths and contents)."""
     digest = hashlib.sha256()
-    for path in sorted(p for p in folder.glob(pattern) if p.suffix in (".py", ".c", ".h", ".cu")):
+    for path in sorted(p for p in folder.glob(pattern) if p.suffix in (".py", ".c", ".h", ".cu", ".cuh")):
         digest.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
 
