@@ -2,8 +2,8 @@
 // CUDA C++: for each tile of TILE consecutive code rows and each query, the tile's best score. It is the first pass
 // of the GPU scan of few queries (tqindex.kernels.scan_triton.TritonScorer.candidates): the rows of each query's
 // best tiles are then scored exactly. The Triton kernel computes the same maxima (MODE_TILE_MAX) for every code;
-// this one reads only 4-bit runs, with less work per code, so that a scan of 1-8 queries runs near memory speed
-// (its work grows with the queries: beyond 8, the Triton kernel's tensor-core products of 16 queries per decoded
+// this one reads only 4-bit runs, with less work per code, so that a scan of 1-4 queries runs nearer memory speed
+// (its work grows with the queries: beyond 4, the Triton kernel's tensor-core products of 16 queries per decoded
 // tile are the better trade).
 //
 // A block of TILE threads takes tiles TILE rows at a time (a grid of resident blocks strides over the tiles); a
@@ -127,7 +127,7 @@ void launch(const uint8_t* codes, const __half* norm, const uint4* q, const floa
 
 }  // namespace
 
-// Tile maxima out float32 [ceil(n / TILE), m] of m <= 8 queries q (f16 [m, row_bytes * 2], the coordinates in
+// Tile maxima out float32 [ceil(n / TILE), m] of m <= 4 queries q (f16 [m, row_bytes * 2], the coordinates in
 // order, scaled like the Triton scan's planar queries; qscale float32 [m]) over n code rows of row_bytes bytes
 // (a multiple of 32) with float16 norms; ``tab``: the prmt words of the run's eight magnitudes. Pointers and the
 // stream as integers.
@@ -145,6 +145,5 @@ void tile_max_launch(int64_t codes, int64_t norm, int64_t q, int64_t qscale, int
   };
   if (m <= 1) with_l2(std::integral_constant<int, 1>{});
   else if (m <= 2) with_l2(std::integral_constant<int, 2>{});
-  else if (m <= 4) with_l2(std::integral_constant<int, 4>{});
-  else with_l2(std::integral_constant<int, 8>{});
+  else with_l2(std::integral_constant<int, 4>{});
 }
