@@ -52,3 +52,14 @@ def test_bad_kind_and_non_power_of_two():
         Rotation.create(50, kind="hadamard")
     with pytest.raises(ValueError, match="power-of-two"):
         fwht(torch.randn(3, 6))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("rows", [1, 16, 64, 65])
+def test_few_cuda_rows_rotate_as_many(rows):
+    """Up to FEW_ROWS query rows on CUDA (computed as (R @ x.T).T) rotate as x @ R.T does, contiguous."""
+    rot = Rotation.create(128, seed=3, kind="dense")
+    x = torch.randn(rows, 128, device="cuda")
+    y = rot.to("cuda").apply(x)
+    assert y.is_contiguous()
+    torch.testing.assert_close(y, x @ rot.dense().cuda().T, rtol=1e-5, atol=1e-5)
