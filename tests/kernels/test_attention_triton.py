@@ -144,7 +144,7 @@ def test_8bit_key_levels_are_the_codebook():
     from tqindex.kernels.scan_triton import _scan_tables
 
     enc = tq.make_encoder("tq8", 64)
-    _, mags, _ = _scan_tables(enc, torch.device("cpu"))
+    _, mags, _, _ = _scan_tables(enc, torch.device("cpu"))
     assert torch.equal(_levels8(mags), enc.code_runs()[0].centroids.half())
 
 

@@ -25,29 +25,72 @@ def test_queries_in_coordinate_order(dim):
     assert torch.equal(coordinate_order(qp, layouts[0]), qs / scale[:, None])
 
 
-@pytest.mark.parametrize("name, dim, n, m, l2", [
-    ("tq4", 128, 1, 1, False), ("tq4", 64, 255, 3, True), ("tq4", 128, 4097, 4, False), ("tq4", 384, 257, 2, True),
-    ("tq4", 128, 1000, 3, True), ("tq4", 1536, 300, 4, False), ("tq4-pca", 64, 300, 2, False)])
-@needs_cuda
-def test_tile_maxima_equal_the_reference(name, dim, n, m, l2):
-    """Each tile's best score per query equals the exact reference's up to float16 rounding (levels, queries);
-    ``tq4-pca`` (a trained basis, every coordinate 4 bits) is the same one run."""
-    from tqindex.kernels import scan_cuda
+def _problem(name, dim, n, m, l2, device):
+    """Codes of n rows, a scorer of m queries (doubled for l2, as every scorer takes them) and the kernel's
+    arguments after the codes."""
     from tqindex.kernels.planes import RunLayout
     from tqindex.kernels.scan_triton import TritonScorer
 
     enc = tq.make_encoder(name, dim)
-    x, q = data(n, dim, 1).to(DEVICE), data(m, dim, 2).to(DEVICE)
+    x, q = data(n, dim, 1).to(device), data(m, dim, 2).to(device)
     if not enc.is_trained:
         enc.train(x)
     codes, qr = enc.encode(x), 2 * enc.rotate(q) if l2 else enc.rotate(q)
     scorer = TritonScorer(enc, qr, l2)
+    return enc, codes, qr, scorer, (scorer.qp32, RunLayout(*scorer.runs[0]), scorer.qscale, scorer.levels_i8, l2)
+
+
+CASES = [("tq4", 128, 1, 1, False), ("tq4", 64, 255, 3, True), ("tq4", 128, 4097, 4, False),
+         ("tq4", 384, 257, 2, True), ("tq4", 128, 1000, 7, True), ("tq4", 1536, 300, 8, False),
+         ("tq4-pca", 64, 300, 2, False)]
+
+
+@needs_triton
+def test_int8_levels():
+    """The int8 levels: code c < 8 is -level(7 - c), c >= 8 is +level(c - 8), within half a step of the float
+    levels; the kernel's words hold them byte by byte."""
+    from tqindex.kernels.scan_cuda import int8_levels
+
+    enc = tq.make_encoder("tq4", 128)
+    centroids = enc.code_runs()[0].centroids.float()  # the 16 levels, ascending
+    lv = int8_levels(centroids[8:])
+    assert lv.levels.dtype == torch.int8 and lv.levels.abs().max() == 127
+    assert torch.equal(lv.levels[:8], -lv.levels[8:].flip(0))
+    assert (lv.levels.float() * lv.scale - centroids).abs().max() <= lv.scale / 2 + 1e-7
+    packed = torch.tensor(lv.words, dtype=torch.int64)
+    got = torch.stack([(packed >> (8 * i)) & 255 for i in range(4)], 1).reshape(16)
+    assert torch.equal(got, lv.levels.view(torch.uint8).long())
+
+
+@needs_triton
+@pytest.mark.parametrize("name, dim, n, m, l2", CASES)
+def test_int8_reference_within_its_rounding_bound(name, dim, n, m, l2):
+    """The int8 maxima (the kernel's reference, any device) lie within the rounding bound of the exact maxima
+    (the reference scan's float32 scores)."""
+    from tqindex.kernels import scan_cuda
+
+    enc, codes, qr, scorer, args = _problem(name, dim, n, m, l2, DEVICE)
+    got = scan_cuda.tile_maxima_ref(codes, *args)
+    exact = scan_cuda.tile_max(tq.scorer.DecodeScorer(enc, qr, l2).scores(codes))
+    mags = scorer.mags[: 8]
+    bound = scan_cuda.rounding_bound(*args[:4], mags, float(codes.norm.float().max()), l2)
+    assert got.shape == exact.shape == (m, -(-n // scan_cuda.TILE))
+    assert ((got - exact).abs() <= bound[:, None] * (1 + 1e-4) + 1e-5 * exact.abs().amax(1, keepdim=True)).all()
+
+
+@pytest.mark.parametrize("name, dim, n, m, l2", CASES)
+@needs_cuda
+def test_tile_maxima_equal_the_reference(name, dim, n, m, l2):
+    """The kernel's maxima equal its int8 reference's up to float32 rounding; ``tq4-pca`` (a trained basis,
+    every coordinate 4 bits) is the same one run."""
+    from tqindex.kernels import scan_cuda
+
+    enc, codes, qr, scorer, args = _problem(name, dim, n, m, l2, DEVICE)
     assert scorer._cuda_tiles(codes, m) and not scorer._cuda_tiles(codes, scan_cuda.MAX_QUERIES + 1)
-    got = scan_cuda.tile_maxima(codes, scorer.qp, RunLayout(*scorer.runs[0]), scorer.qscale, scorer.tables[:4], l2)
-    ref = scan_cuda.tile_maxima_ref(tq.scorer.DecodeScorer(enc, qr, l2).scores(codes))
-    tiles = -(-n // scan_cuda.TILE)
-    assert got.shape == (m, tiles) and torch.isfinite(got).all()
-    torch.testing.assert_close(got, ref, rtol=0, atol=3e-3 * float(ref.abs().max()))
+    got = scan_cuda.tile_maxima(codes, *args)
+    ref = scan_cuda.tile_maxima_ref(codes, *args)
+    assert got.shape == (m, -(-n // scan_cuda.TILE)) and torch.isfinite(got).all()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
 
 
 @needs_cuda

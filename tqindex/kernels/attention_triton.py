@@ -466,7 +466,7 @@ def _tables(encoder: Any, device: torch.device, side: str) -> tuple[tuple, Tenso
         layouts, mags = tuple(tuple(r) for r in runs), mags.to(device)
         prmt = prmt_tables(mags, runs)
     else:
-        layouts, mags, prmt = _scan_tables(encoder, device)
+        layouts, mags, prmt, _ = _scan_tables(encoder, device)
     dim = encoder.dim
     eye = torch.eye(dim, device=device)
     image = to_planes(encoder.rotate(eye), [RunLayout(*layouts[0])]) if side == "keys" else encoder.rotate_back(eye)

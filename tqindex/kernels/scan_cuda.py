@@ -1,12 +1,14 @@
-"""Tile maxima of 1-4 queries over one 4-bit run of direction codes by a CUDA C++ kernel (``csrc/scan_tiles.cu``,
+"""Tile maxima of 1-8 queries over one 4-bit run of direction codes by a CUDA C++ kernel (``csrc/scan_tiles.cu``,
 whose notes describe it), built at first use by ``torch.utils.cpp_extension`` (nvcc; once, cached by torch between
 processes).
 
-It computes :class:`~tqindex.kernels.scan_triton.TritonScorer`'s ``MODE_TILE_MAX`` scan (each tile of TILE rows'
-best score per query, the first pass of a scan of few queries) where the codes are one 4-bit run over every
-coordinate with float16 norms (``tq4`` and its variants) and code rows are a multiple of 32 bytes (dims a multiple
-of 64); elsewhere the Triton kernel computes it. Its reference is the same as the Triton kernel's: the scores of
-:class:`~tqindex.scorer.DecodeScorer` (float16 levels and queries, so up to their rounding).
+It computes the maxima of :class:`~tqindex.kernels.scan_triton.TritonScorer`'s ``MODE_TILE_MAX`` scan (each tile of
+TILE rows' best score per query, the first pass of a scan of few queries, whose best tiles are then scored
+exactly) where the codes are one 4-bit run over every coordinate with float16 norms (``tq4`` and its variants)
+and code rows are a multiple of 32 bytes (dims a multiple of 64); elsewhere the Triton kernel computes them. It
+scores in int8: levels and queries rounded to int8 (:func:`int8_levels`), products summed exactly by dp4a. Its
+reference, :func:`tile_maxima_ref`, computes the same roundings in PyTorch; they differ from the exact scores by at
+most :func:`rounding_bound`.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import warnings
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -24,14 +26,14 @@ from .planes import RunLayout, cdiv
 
 TILE = 256
 """Rows per tile (and threads per block) of the kernel."""
-MAX_QUERIES = 4
+MAX_QUERIES = 8
 """Queries up to which the kernel scans: its work per code grows with them, where the Triton kernel decodes a
-tile once for the tensor-core products of 16 queries (on an H200 over 10M x 128 codes: 1, 2, 4 queries 0.30, 0.33,
-0.44 ms against the Triton kernel's 0.43, 0.59, 0.59 ms; 8 queries 0.70 against 0.59 ms)."""
+tile once for the tensor-core products of 16 queries (on an H200 over 10M x 128 codes: 1, 2, 4, 8 queries 0.21,
+0.23, 0.27, 0.37 ms against the Triton kernel's 0.43, 0.59, 0.59, 0.59 ms; 16 queries 0.60 against 0.56 ms)."""
 SOURCE = Path(__file__).parent / "csrc" / "scan_tiles.cu"
 _DECLARATION = """
 void tile_max_launch(int64_t codes, int64_t norm, int64_t q, int64_t qscale, int64_t m, int64_t n, int64_t row_bytes,
-                     bool l2, const std::vector<int64_t>& tab, int64_t out, int64_t stream);
+                     bool l2, const std::vector<int64_t>& tab, double lscale, int64_t out, int64_t stream);
 """
 
 
@@ -87,7 +89,6 @@ def _checked(device: torch.device) -> bool:
 def _check(device: torch.device) -> bool:
     """The check of :func:`_checked` (warns where it fails)."""
     from .. import make_encoder
-    from ..scorer import DecodeScorer
     from .scan_triton import TritonScorer
 
     g = torch.Generator().manual_seed(0)
@@ -97,9 +98,9 @@ def _check(device: torch.device) -> bool:
     for m, l2 in ((1, False), (3, True)):
         qs = enc.rotate(torch.randn(m, 64, generator=g).to(device))
         scorer = TritonScorer(enc, qs, l2)
-        got = tile_maxima(codes, scorer.qp, RunLayout(*scorer.runs[0]), scorer.qscale, scorer.tables[:4], l2)
-        ref = tile_maxima_ref(DecodeScorer(enc, qs, l2).scores(codes))
-        ok &= bool(torch.allclose(got, ref, rtol=0, atol=3e-3 * float(ref.abs().max())))
+        args = (codes, scorer.qp32, RunLayout(*scorer.runs[0]), scorer.qscale, scorer.levels_i8, l2)
+        ref = tile_maxima_ref(*args)
+        ok &= bool(torch.allclose(tile_maxima(*args), ref, rtol=0, atol=1e-5 * float(ref.abs().max())))
     if not ok:
         warnings.warn("the CUDA scan kernel's maxima differ from the reference's here; the Triton kernel scans",
                       RuntimeWarning, stacklevel=3)
@@ -113,27 +114,92 @@ def coordinate_order(qp: Tensor, layout: RunLayout) -> Tensor:
     return qp[:, : 2 * half].view(m, 2, half)[:, :, : layout.groups].transpose(1, 2).reshape(m, 2 * layout.groups)
 
 
-def tile_maxima_ref(scores: Tensor) -> Tensor:
-    """The reference of :func:`tile_maxima`: scores [m, n] -> each tile of TILE rows' maximum [m, ceil(n / TILE)]."""
+class Int8Levels(NamedTuple):
+    """The int8 levels of a 4-bit run of direction codes: ``levels`` int8 [16] (code c < 8: -round(127 mags[7 - c]
+    / mags[7]); c >= 8: round(127 mags[c - 8] / mags[7])), ``scale`` float (level = int8 level x scale) and
+    ``words``, the four int32 words the kernel reads (bytes of codes 0-3, 4-7, 8-11, 12-15)."""
+
+    levels: Tensor
+    scale: float
+    words: list[int]
+
+
+def int8_levels(mags: Tensor) -> Int8Levels:
+    """:class:`Int8Levels` of a 4-bit run's eight ascending magnitudes ``mags`` float32 [8] (any device)."""
+    mags = mags.detach().float().cpu()
+    top = float(mags[7])
+    pos = torch.round(mags * (127 / top))
+    levels = torch.cat([-pos.flip(0), pos]).to(torch.int8)
+    b = levels.view(torch.uint8).long().view(4, 4)
+    words = (b[:, 0] | b[:, 1] << 8 | b[:, 2] << 16 | b[:, 3] << 24).tolist()
+    return Int8Levels(levels, float(torch.tensor(top / 127, dtype=torch.float32)), words)
+
+
+def _row_levels(codes: Codes, lv: Int8Levels) -> Tensor:
+    """The int8 levels of every coordinate of codes [n] (one 4-bit run), float64 [n, 2 * row_bytes]."""
+    q = codes.qdata
+    nib = torch.stack([q & 15, q >> 4], 2).reshape(len(q), -1).long()  # coordinate 2i: low nibble of byte i
+    return lv.levels.to(q.device).double()[nib]
+
+
+def _int8_queries(queries: Tensor) -> tuple[Tensor, Tensor]:
+    """Queries float32 [m, d] rounded to int8 on the scale 127 / their largest magnitude, as the kernel does ->
+    (int8 values as float64 [m, d], largest magnitudes float32 [m])."""
+    q = queries.float()
+    mx = q.abs().amax(1)
+    to8 = torch.where(mx > 0, 127 / mx, torch.zeros_like(mx))
+    return torch.round(q * to8[:, None]).double(), mx
+
+
+def tile_maxima_ref(codes: Codes, qp: Tensor, layout: RunLayout, qscale: Tensor, lv: Int8Levels, l2: bool) -> Tensor:
+    """The reference of :func:`tile_maxima` (same arguments): the int8 roundings and exact sums of the kernel in
+    PyTorch, then each tile's maximum."""
+    q8, mx = _int8_queries(coordinate_order(qp, layout))
+    lev = _row_levels(codes, lv)  # [n, d]
+    nv = codes.norm.float()
+    sc = qscale.float() * lv.scale * mx / 127
+    scores = (lev @ q8.T).float() * nv[:, None] * sc[None, :]
+    if l2:
+        scores -= (nv * nv * lev.square().sum(1).float() * lv.scale * lv.scale)[:, None]
+    return tile_max(scores.T)
+
+
+def rounding_bound(qp: Tensor, layout: RunLayout, qscale: Tensor, lv: Int8Levels, mags: Tensor, max_norm: float,
+                   l2: bool) -> Tensor:
+    """How far :func:`tile_maxima_ref` may lie from the exact maxima (float32 levels ``mags`` [8] and queries, rows of
+    norm up to ``max_norm``), per query float32 [m]: each product q_j L_j is off by at most e_q |L8_j| + |q_j| e_L
+    (e_q, e_L: half the query's and the levels' int8 step), and for l2 each L_j^2 by at most (2 max|L| + e_L) e_L."""
+    q = coordinate_order(qp, layout).float()
+    d, mx = q.shape[1], q.abs().amax(1)
+    e_q, e_l = mx / 254, lv.scale / 2
+    top8 = float(lv.levels.abs().max()) * lv.scale
+    bound = qscale.float() * max_norm * (e_q * d * top8 + q.abs().sum(1) * e_l)
+    if l2:
+        bound += max_norm**2 * d * (2 * float(mags.max()) + e_l) * e_l
+    return bound
+
+
+def tile_max(scores: Tensor) -> Tensor:
+    """Scores [m, n] -> each tile of TILE rows' maximum [m, ceil(n / TILE)] (rows past the end: -inf)."""
     m, n = scores.shape
     tiles = cdiv(n, TILE)
     return torch.nn.functional.pad(scores, (0, tiles * TILE - n), value=float("-inf")).view(m, tiles, TILE).amax(2)
 
 
-def tile_maxima(codes: Codes, qp: Tensor, layout: RunLayout, qscale: Tensor, table: list[int], l2: bool) -> Tensor:
-    """Each tile of TILE rows' best score per query: float32 [m, ceil(n / TILE)] (rows past the end score -inf).
+def tile_maxima(codes: Codes, qp: Tensor, layout: RunLayout, qscale: Tensor, lv: Int8Levels, l2: bool) -> Tensor:
+    """Each tile of TILE rows' best score per query in int8 arithmetic (module notes): float32 [m, ceil(n / TILE)]
+    (rows past the end score -inf).
 
-    codes: n rows the kernel :func:`reads`; qp: the Triton scan's planar float16 queries [m, plane_width] of the
-    run ``layout`` (queries doubled for l2, as every scorer takes them), qscale float32 [m] their scales;
-    ``table``: the prmt words of the run's magnitudes (``scan_triton.prmt_tables``); l2: minus each row's squared
-    norm (``q.x - |x|^2``)."""
+    codes: n rows the kernel :func:`reads`; qp: the Triton scan's planar float32 queries [m, plane_width] of the
+    run ``layout`` (queries doubled for l2, as every scorer takes them), qscale float32 [m] their scales; ``lv``:
+    the run's :func:`int8_levels`; l2: minus each row's squared norm (``q.x - |x|^2``)."""
     qdata, norm = codes.qdata.contiguous(), codes.norm.contiguous()
-    queries, qscale = coordinate_order(qp, layout).contiguous(), qscale.contiguous()
-    n, m = qdata.shape[0], qp.shape[0]
+    queries, qscale = coordinate_order(qp, layout).float().contiguous(), qscale.contiguous()
+    n, m = qdata.shape[0], queries.shape[0]
     out = torch.empty(cdiv(n, TILE), m, device=qdata.device)
     if n:
         with torch.cuda.device(qdata.device):
             _module().tile_max_launch(qdata.data_ptr(), norm.data_ptr(), queries.data_ptr(), qscale.data_ptr(), m, n,
-                                      qdata.shape[1], l2, table, out.data_ptr(),
+                                      qdata.shape[1], l2, lv.words, lv.scale, out.data_ptr(),
                                       torch.cuda.current_stream(qdata.device).cuda_stream)
     return out.T

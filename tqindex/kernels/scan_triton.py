@@ -18,8 +18,8 @@ tree over the magnitude bits (any device, also Triton's interpreter), 2 (4-bit r
 PTX ``prmt`` byte permutes from four registers holding the eight f16 magnitudes, eight codes per
 instruction sequence.
 
-For 1-4 queries over ``tq4`` codes, a CUDA C++ kernel (:mod:`~tqindex.kernels.scan_cuda`) computes the tile
-maxima of a scan of few queries instead, with less work per code.
+For 1-8 queries over ``tq4`` codes, a CUDA C++ kernel (:mod:`~tqindex.kernels.scan_cuda`) computes the tile
+maxima of a scan of few queries instead, in int8 with less work per code.
 
 The candidates are then re-scored exactly by the same tile code in float32 (:func:`_rescore_kernel`: float32
 levels and queries, one query per program, the candidate rows read in place), so scores and the final top-k
@@ -487,12 +487,15 @@ def default_decode(device: torch.device) -> int:
     return DECODE_PRMT if device.type == "cuda" else DECODE_SELECT
 
 
-def _scan_tables(encoder: Any, device: torch.device) -> tuple[tuple, Tensor, list[int]]:
+def _scan_tables(encoder: Any, device: torch.device) -> tuple[tuple, Tensor, list[int], Any]:
     """What a scan of ``encoder``'s codes needs on ``device`` (cached per encoder and device): the runs'
-    layouts (constexpr tuples), their magnitudes float32 [total] and the prmt table words."""
+    layouts (constexpr tuples), their magnitudes float32 [total], the prmt table words and the first run's
+    int8 levels (``scan_cuda.int8_levels``; None unless it is a 4-bit run)."""
     layouts, mags, _ = run_layouts(encoder.code_runs(device))
+    first = layouts[0]
+    levels_i8 = scan_cuda.int8_levels(mags[first.mag_offset : first.mag_offset + 8]) if first.bits == 4 else None
     mags = mags.to(device)
-    return tuple(tuple(r) for r in layouts), mags, prmt_tables(mags, layouts)
+    return tuple(tuple(r) for r in layouts), mags, prmt_tables(mags, layouts), levels_i8
 
 
 def candidate_depth(k: int) -> int:
@@ -530,8 +533,8 @@ class TritonScorer(Scorer):
                  cuda: bool = True) -> None:
         super().__init__(encoder, qs, l2, bar)
         self.cuda = cuda
-        self.runs, self.mags, self.tables = encoder.derived(qs.device, "triton-scan",
-                                                            lambda: _scan_tables(encoder, qs.device))
+        self.runs, self.mags, self.tables, self.levels_i8 = encoder.derived(qs.device, "triton-scan",
+                                                                          lambda: _scan_tables(encoder, qs.device))
         self.qp32, self.qp, self.qscale = planar_queries_triton(qs, [RunLayout(*r) for r in self.runs])
         self.decode = default_decode(qs.device) if decode is None else decode
 
@@ -559,7 +562,8 @@ class TritonScorer(Scorer):
         qp, qscale = self.qp[sel].contiguous(), self.qscale[sel].contiguous()
         n, m, kt = len(codes), len(qp), 1 if mode == MODE_MAX else candidate_depth(k)  # MODE_MAX: one row
         if mode in (MODE_MAX, MODE_TILE_MAX) and self._cuda_tiles(codes, m):
-            maxima = scan_cuda.tile_maxima(codes, qp, RunLayout(*self.runs[0]), qscale, self.tables[:4], self.l2)
+            maxima = scan_cuda.tile_maxima(codes, self.qp32[sel], RunLayout(*self.runs[0]), qscale, self.levels_i8,
+                                           self.l2)
             maxima = maxima.amax(1, keepdim=True) if mode == MODE_MAX else maxima
             return maxima, maxima, None
         common = self._common(m, mode)
