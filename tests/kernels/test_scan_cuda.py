@@ -42,7 +42,7 @@ def _problem(name, dim, n, m, l2, device):
 
 CASES = [("tq4", 128, 1, 1, False), ("tq4", 64, 255, 3, True), ("tq4", 128, 4097, 4, False),
          ("tq4", 384, 257, 2, True), ("tq4", 128, 1000, 7, True), ("tq4", 1536, 300, 8, False),
-         ("tq4-pca", 64, 300, 2, False)]
+         ("tq4", 192, 129, 16, True), ("tq4", 64, 1000, 12, False), ("tq4-pca", 64, 300, 2, False)]
 
 
 @needs_triton
@@ -105,7 +105,7 @@ def test_other_codes_are_left_to_triton(name, dim):
 
 
 @needs_cuda
-@pytest.mark.parametrize("nq, k, metric", [(1, 10, "ip"), (3, 5, "l2"), (4, 1, "cosine")])
+@pytest.mark.parametrize("nq, k, metric", [(1, 10, "ip"), (3, 5, "l2"), (4, 1, "cosine"), (16, 10, "l2")])
 def test_search_of_few_queries_through_the_cuda_kernel(monkeypatch, nq, k, metric):
     """A flat search of few queries over enough rows takes the best tiles of the CUDA kernel's maxima and scores
     their rows exactly: the reference's results."""

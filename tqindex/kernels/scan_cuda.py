@@ -1,14 +1,14 @@
-"""Tile maxima of 1-8 queries over one 4-bit run of direction codes by a CUDA C++ kernel (``csrc/scan_tiles.cu``,
-whose notes describe it), built at first use by ``torch.utils.cpp_extension`` (nvcc; once, cached by torch between
+"""Tile maxima of 1-16 queries over one 4-bit run of direction codes by CUDA C++ kernels (``csrc/scan_tiles.cu``,
+whose notes describe them), built at first use by ``torch.utils.cpp_extension`` (nvcc; once, cached by torch between
 processes).
 
-It computes the maxima of :class:`~tqindex.kernels.scan_triton.TritonScorer`'s ``MODE_TILE_MAX`` scan (each tile of
-TILE rows' best score per query, the first pass of a scan of few queries, whose best tiles are then scored
+They compute the maxima of :class:`~tqindex.kernels.scan_triton.TritonScorer`'s ``MODE_TILE_MAX`` scan (each tile
+of TILE rows' best score per query, the first pass of a scan of few queries, whose best tiles are then scored
 exactly) where the codes are one 4-bit run over every coordinate with float16 norms (``tq4`` and its variants)
-and code rows are a multiple of 32 bytes (dims a multiple of 64); elsewhere the Triton kernel computes them. It
-scores in int8: levels and queries rounded to int8 (:func:`int8_levels`), products summed exactly by dp4a. Its
-reference, :func:`tile_maxima_ref`, computes the same roundings in PyTorch; they differ from the exact scores by at
-most :func:`rounding_bound`.
+and code rows are a multiple of 32 bytes (dims a multiple of 64); elsewhere the Triton kernel computes them. They
+score in int8: levels and queries rounded to int8 (:func:`int8_levels`), products summed exactly (dp4a, int8
+tensor-core MMAs). Their reference, :func:`tile_maxima_ref`, computes the same roundings in PyTorch; it differs
+from the exact scores by at most :func:`rounding_bound`.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from .planes import RunLayout, cdiv
 
 TILE = 256
 """Rows per tile (and threads per block) of the kernel."""
-MAX_QUERIES = 8
-"""Queries up to which the kernel scans: its work per code grows with them, where the Triton kernel decodes a
-tile once for the tensor-core products of 16 queries (on an H200 over 10M x 128 codes: 1, 2, 4, 8 queries 0.21,
-0.23, 0.27, 0.37 ms against the Triton kernel's 0.43, 0.59, 0.59, 0.59 ms; 16 queries 0.60 against 0.56 ms)."""
+MAX_QUERIES = 16
+"""Queries up to which the kernels scan (TILE_QUERIES of the Triton scorer: beyond, no tile maxima are taken). On an
+H200 over 10M x 128 codes 1, 2, 4, 8, 16 queries took 0.21, 0.23, 0.27, 0.36, 0.39 ms against the Triton kernel's
+0.43, 0.60, 0.60, 0.60, 0.57 ms."""
 SOURCE = Path(__file__).parent / "csrc" / "scan_tiles.cu"
 _DECLARATION = """
 void tile_max_launch(int64_t codes, int64_t norm, int64_t q, int64_t qscale, int64_t m, int64_t n, int64_t row_bytes,
@@ -95,7 +95,7 @@ def _check(device: torch.device) -> bool:
     enc = make_encoder("tq4", 64)
     codes = enc.encode(torch.randn(3 * TILE - 5, 64, generator=g).to(device))
     ok = True
-    for m, l2 in ((1, False), (3, True)):
+    for m, l2 in ((1, False), (3, True), (9, True)):  # both kernels
         qs = enc.rotate(torch.randn(m, 64, generator=g).to(device))
         scorer = TritonScorer(enc, qs, l2)
         args = (codes, scorer.qp32, RunLayout(*scorer.runs[0]), scorer.qscale, scorer.levels_i8, l2)

@@ -18,7 +18,7 @@ tree over the magnitude bits (any device, also Triton's interpreter), 2 (4-bit r
 PTX ``prmt`` byte permutes from four registers holding the eight f16 magnitudes, eight codes per
 instruction sequence.
 
-For 1-8 queries over ``tq4`` codes, a CUDA C++ kernel (:mod:`~tqindex.kernels.scan_cuda`) computes the tile
+For 1-16 queries over ``tq4`` codes, CUDA C++ kernels (:mod:`~tqindex.kernels.scan_cuda`) compute the tile
 maxima of a scan of few queries instead, in int8 with less work per code.
 
 The candidates are then re-scored exactly by the same tile code in float32 (:func:`_rescore_kernel`: float32

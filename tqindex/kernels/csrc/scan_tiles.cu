@@ -2,23 +2,28 @@
 // CUDA C++: for each tile of TILE consecutive code rows and each query, the tile's best score in int8 arithmetic.
 // It is the first pass of the GPU scan of few queries (tqindex.kernels.scan_triton.TritonScorer.candidates): the
 // rows of each query's best tiles are then scored exactly, so the maxima only have to rank tiles. The Triton
-// kernel computes the same maxima (MODE_TILE_MAX, f16) for every code; this one reads only 4-bit runs, with about
-// half the integer work per code, so that a scan of 1-8 queries runs near memory speed.
+// kernel computes the same maxima (MODE_TILE_MAX, f16) for every code; these read only 4-bit runs, with about
+// half its integer work per code, so that a scan of 1-16 queries runs nearer memory speed.
 //
 // Arithmetic: the run's eight magnitudes are rounded to int8 on the scale 127 / the largest (two tables of four
 // bytes for the negative codes 0-7, two for the positive 8-15; levels4.cuh's lookup_i8 turns a 32-bit word of
 // eight codes into eight int8 levels with six prmt); each query is rounded to int8 on the scale 127 / its largest
-// coordinate magnitude (by every block, into shared memory); dp4a sums four products of int8 at a time into int32,
-// exactly. A score is the sum times the row's norm, the query's scale and both int8 scales (for l2, minus norm^2
-// times the sum of the squared int8 levels times the level scale squared); rows past the end score -inf. The
-// PyTorch reference (scan_cuda.tile_maxima_ref) computes the same roundings and sums.
+// coordinate magnitude (by every block, into shared memory); products of int8 are summed into int32 exactly. A
+// score is the sum times the row's norm, the query's scale and both int8 scales (for l2, minus norm^2 times the sum
+// of the squared int8 levels times the level scale squared); rows past the end score -inf. The PyTorch reference
+// (scan_cuda.tile_maxima_ref) computes the same roundings and sums.
 //
-// A block of TILE threads takes tiles TILE rows at a time (a grid of resident blocks strides over the tiles); a
-// thread takes one row: it reads the row's codes in 16-byte loads through L1 (row_bytes a multiple of 32, two
-// loads in flight per step; a warp's load covers half of 32 sectors, the next load the other half from L1: on an
-// H200 streaming loads that skip L1 took 266 instead of 213 us over 10M x 128), the queries from shared memory
-// (the same address for every thread: broadcast). A tile's maximum per query is reduced by warp shuffles, then
-// across the block's warps in shared memory.
+// Two kernels, measured on an H200 (10M x 128, 1M x 1536): for 1-4 queries rows_kernel, one row per thread and
+// dp4a (four products per instruction, per query); for 5-16 mma_kernel, 16 rows per tensor-core MMA, whose cost
+// hardly grows with the queries (10M x 128: 1, 2, 4, 8 queries 209, 228, 265, 365 us by rows_kernel, 353, 355,
+// 356, 357 by mma_kernel, 16 queries 389; 1M x 1536: 402-439 us against 324-331).
+//
+// rows_kernel: a block of TILE threads takes tiles TILE rows at a time (a grid of resident blocks strides over the
+// tiles); a thread takes one row: it reads the row's codes in 16-byte loads through L1 (row_bytes a multiple of
+// 32, two loads in flight per step; a warp's load covers half of 32 sectors, the next load the other half from L1:
+// streaming loads that skip L1 took 266 instead of 213 us over 10M x 128), the queries from shared memory (the
+// same address for every thread: broadcast). A tile's maximum per query is reduced by warp shuffles, then across
+// the block's warps in shared memory.
 
 #include <cuda_fp16.h>
 
@@ -26,7 +31,6 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
-#include <type_traits>
 #include <vector>
 
 #include "levels4.cuh"
@@ -51,28 +55,44 @@ __device__ float block_absmax(const float* x, int n, float* red) {
   return mx;
 }
 
-template <int NQ, bool L2>
-__global__ void __launch_bounds__(TILE) tile_max_kernel(const uint8_t* __restrict__ codes,
-                                                        const __half* __restrict__ norm,
-                                                        const float* __restrict__ q,
-                                                        const float* __restrict__ qscale, int m, int64_t n,
-                                                        int row_bytes, int64_t tiles, uint4 tab, float lscale,
-                                                        float* __restrict__ out) {
-  extern __shared__ uint4 smem[];
-  const int dim = row_bytes * 2, chunks = row_bytes / 8;  // a uint4 of int8 query: 16 coordinates, two code words
-  uint4* qs = smem;                                          // [NQ][chunks]
-  float* red = reinterpret_cast<float*>(qs + NQ * chunks);   // [WARPS][NQ]
-  int8_t* q8 = reinterpret_cast<int8_t*>(qs);
-  float sc[NQ];  // the query's scale times both int8 scales
-#pragma unroll
-  for (int j = 0; j < NQ; ++j) {
+// Rounds the m queries q (float32 [m, dim]) to int8 on the scale 127 / each one's largest magnitude: q8 [nq][dim]
+// (zero past m) and sc [nq], the query's scale times both int8 scales, in shared memory (red: WARPS floats).
+__device__ void int8_queries(const float* q, const float* qscale, int m, int nq, int dim, float lscale, int8_t* q8,
+                             float* sc, float* red) {
+  for (int j = 0; j < nq; ++j) {
     const float mx = j < m ? block_absmax(q + (int64_t)j * dim, dim, red) : 0.f;
     const float to8 = mx > 0.f ? 127.f / mx : 0.f;
     for (int i = threadIdx.x; i < dim; i += TILE)
       q8[j * dim + i] = j < m ? int8_t(__float2int_rn(q[(int64_t)j * dim + i] * to8)) : int8_t(0);
-    sc[j] = j < m ? qscale[j] * lscale * mx / 127.f : 0.f;
+    if (threadIdx.x == 0) sc[j] = j < m ? qscale[j] * lscale * mx / 127.f : 0.f;
   }
   __syncthreads();
+}
+
+// The tile maxima of a block's warps, red [WARPS][nq] (shared), to out [tiles, m] (the block's threads).
+__device__ __forceinline__ void write_tile(const float* red, int nq, int m, int64_t tile, float* out) {
+  if (threadIdx.x < m) {
+    float b = red[threadIdx.x];
+    for (int w = 1; w < WARPS; ++w) b = fmaxf(b, red[w * nq + threadIdx.x]);
+    out[tile * m + threadIdx.x] = b;
+  }
+}
+
+// 1-4 queries: one row per thread (below).
+template <int NQ, bool L2>
+__global__ void __launch_bounds__(TILE) rows_kernel(const uint8_t* __restrict__ codes, const __half* __restrict__ norm,
+                                                    const float* __restrict__ q, const float* __restrict__ qscale,
+                                                    int m, int64_t n, int row_bytes, int64_t tiles, uint4 tab,
+                                                    float lscale, float* __restrict__ out) {
+  extern __shared__ uint4 smem[];
+  const int dim = row_bytes * 2, chunks = row_bytes / 8;  // a uint4 of int8 query: 16 coordinates, two code words
+  uint4* qs = smem;                                          // [NQ][chunks]: int8 queries
+  float* red = reinterpret_cast<float*>(qs + NQ * chunks);   // [WARPS][NQ]
+  float* scs = red + WARPS * NQ;                             // [NQ]
+  int8_queries(q, qscale, m, NQ, dim, lscale, reinterpret_cast<int8_t*>(qs), scs, red);
+  float sc[NQ];
+#pragma unroll
+  for (int j = 0; j < NQ; ++j) sc[j] = scs[j];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const int64_t row = tile * TILE + threadIdx.x;
@@ -116,54 +136,159 @@ __global__ void __launch_bounds__(TILE) tile_max_kernel(const uint8_t* __restric
       for (int j = 0; j < NQ; ++j) red[warp * NQ + j] = best[j];
     }
     __syncthreads();
-    if (threadIdx.x < NQ && threadIdx.x < m) {
-      float b = red[threadIdx.x];
-#pragma unroll
-      for (int w = 1; w < WARPS; ++w) b = fmaxf(b, red[w * NQ + threadIdx.x]);
-      out[tile * m + threadIdx.x] = b;
-    }
+    write_tile(red, NQ, m, tile, out);
     __syncthreads();
   }
 }
 
-template <int NQ, bool L2>
-void launch(const uint8_t* codes, const __half* norm, const float* q, const float* qscale, int m, int64_t n,
-            int row_bytes, uint4 tab, float lscale, float* out, cudaStream_t stream) {
-  const int smem = NQ * (row_bytes / 8) * 16 + WARPS * NQ * 4;
-  if (smem > 48 * 1024)
-    cudaFuncSetAttribute(tile_max_kernel<NQ, L2>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+__device__ __forceinline__ void mma_s8(int (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                       uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// 5-16 queries (NT tiles of eight, the MMA's N): a warp takes its 32 rows of the tile 16 at a time, on the MMA's M
+// (m16n8k32, int8 operands, int32 sums). Lane (g = lane / 4, t = lane % 4) reads bytes 16t..16t+15 of each 64 of
+// rows g and g + 8 (a group of four lanes reads a 64-byte piece of a row: coalesced); word 4t + s of the piece (eight
+// codes) goes to the k slots 4t..4t+3 (codes 0-3) and 16 + 4t.. (codes 4-7) of the s-th MMA, and the queries' int8
+// coordinates of the same word to the same slots of B: any assignment of coordinates to k slots gives the same sums
+// when A and B share it. Rows of 32 mod 64 bytes end in half a piece, whose absent half is zero.
+template <int NT, bool L2>
+__global__ void __launch_bounds__(TILE) mma_kernel(const uint8_t* __restrict__ codes, const __half* __restrict__ norm,
+                                                   const float* __restrict__ q, const float* __restrict__ qscale,
+                                                   int m, int64_t n, int row_bytes, int64_t tiles, uint4 tab,
+                                                   float lscale, float* __restrict__ out) {
+  constexpr int NQ = 8 * NT;
+  extern __shared__ uint4 smem[];
+  const int dim = row_bytes * 2;
+  int8_t* q8 = reinterpret_cast<int8_t*>(smem);          // [NQ][dim]
+  float* red = reinterpret_cast<float*>(q8 + NQ * dim);  // [WARPS][NQ]
+  float* scs = red + WARPS * NQ;                         // [NQ]
+  int8_queries(q, qscale, m, NQ, dim, lscale, q8, scs, red);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  float sc[NT][2];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) sc[nt][0] = scs[nt * 8 + 2 * t], sc[nt][1] = scs[nt * 8 + 2 * t + 1];
+  const int chunks = (row_bytes + 63) / 64;  // 64 bytes of a row (128 coordinates): 16 per lane of a group
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    float best[NT][2];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) best[nt][0] = best[nt][1] = -INFINITY;
+#pragma unroll
+    for (int rg = 0; rg < 2; ++rg) {  // a warp's 32 rows, 16 per MMA: rows g and g + 8 of each
+      const int64_t r0 = tile * TILE + warp * 32 + rg * 16 + g, r1 = r0 + 8;
+      const bool ok0 = r0 < n, ok1 = r1 < n;
+      const uint8_t* p0 = codes + (ok0 ? r0 : 0) * row_bytes + 16 * t;
+      const uint8_t* p1 = codes + (ok1 ? r1 : 0) * row_bytes + 16 * t;
+      int acc[NT][4];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0;
+      int sq0 = 0, sq1 = 0;
+#pragma unroll 2
+      for (int c = 0; c < chunks; ++c) {
+        const bool in = c * 64 + 16 * t < row_bytes;
+        const uint4 none = make_uint4(0, 0, 0, 0);  // past a row of 32 mod 64 bytes (levels zeroed below)
+        const uint4 v0 = in ? __ldg(reinterpret_cast<const uint4*>(p0 + c * 64)) : none;
+        const uint4 v1 = in ? __ldg(reinterpret_cast<const uint4*>(p1 + c * 64)) : none;
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {  // word 4t + s of the chunk: k slots 4t..4t+3 (codes 0-3), 16+4t.. (4-7)
+          const uint32_t w0 = s == 0 ? v0.x : s == 1 ? v0.y : s == 2 ? v0.z : v0.w;
+          const uint32_t w1 = s == 0 ? v1.x : s == 1 ? v1.y : s == 2 ? v1.z : v1.w;
+          uint32_t a0, a2, a1, a3;
+          tq4::lookup_i8(w0, tab.x, tab.y, tab.z, tab.w, a0, a2);
+          tq4::lookup_i8(w1, tab.x, tab.y, tab.z, tab.w, a1, a3);
+          if (!in) a0 = a1 = a2 = a3 = 0;
+          if constexpr (L2) {
+            sq0 = __dp4a(int(a2), int(a2), __dp4a(int(a0), int(a0), sq0));
+            sq1 = __dp4a(int(a3), int(a3), __dp4a(int(a1), int(a1), sq1));
+          }
+          const int at = c * 128 + 8 * (4 * t + s);  // the word's first coordinate
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            const uint2 b = in ? *reinterpret_cast<const uint2*>(q8 + (nt * 8 + g) * dim + at) : make_uint2(0, 0);
+            mma_s8(acc[nt], a0, a1, a2, a3, b.x, b.y);
+          }
+        }
+      }
+      if constexpr (L2) {
+        sq0 += __shfl_xor_sync(0xffffffffu, sq0, 1);
+        sq0 += __shfl_xor_sync(0xffffffffu, sq0, 2);
+        sq1 += __shfl_xor_sync(0xffffffffu, sq1, 1);
+        sq1 += __shfl_xor_sync(0xffffffffu, sq1, 2);
+      }
+      const float n0 = ok0 ? __half2float(norm[r0]) : 0.f, n1 = ok1 ? __half2float(norm[r1]) : 0.f;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          float s0 = float(acc[nt][i]) * n0 * sc[nt][i], s1 = float(acc[nt][2 + i]) * n1 * sc[nt][i];
+          if constexpr (L2) {
+            s0 -= n0 * n0 * float(sq0) * lscale * lscale;
+            s1 -= n1 * n1 * float(sq1) * lscale * lscale;
+          }
+          best[nt][i] = fmaxf(best[nt][i], fmaxf(ok0 ? s0 : -INFINITY, ok1 ? s1 : -INFINITY));
+        }
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+#pragma unroll
+        for (int off = 4; off < 32; off <<= 1)
+          best[nt][i] = fmaxf(best[nt][i], __shfl_xor_sync(0xffffffffu, best[nt][i], off));
+      }
+    }
+    if (g == 0) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        red[warp * NQ + nt * 8 + 2 * t] = best[nt][0];
+        red[warp * NQ + nt * 8 + 2 * t + 1] = best[nt][1];
+      }
+    }
+    __syncthreads();
+    write_tile(red, NQ, m, tile, out);
+    __syncthreads();
+  }
+}
+
+// Launches kernel (rows_kernel or mma_kernel) for nq query slots on a grid of resident blocks.
+template <typename Kernel>
+void launch(Kernel kernel, int nq, const uint8_t* codes, const __half* norm, const float* q, const float* qscale, int m,
+            int64_t n, int row_bytes, uint4 tab, float lscale, float* out, cudaStream_t stream) {
+  const int smem = nq * row_bytes * 2 + WARPS * nq * 4 + nq * 4;
+  if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   int device = 0, sms = 0, resident = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, tile_max_kernel<NQ, L2>, TILE, smem);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, TILE, smem);
   const int64_t tiles = (n + TILE - 1) / TILE;
   const int64_t grid = std::min<int64_t>(tiles, int64_t(sms) * std::max(resident, 1));
-  tile_max_kernel<NQ, L2><<<(unsigned)grid, TILE, smem, stream>>>(codes, norm, q, qscale, m, n, row_bytes, tiles, tab,
-                                                                  lscale, out);
+  kernel<<<(unsigned)grid, TILE, smem, stream>>>(codes, norm, q, qscale, m, n, row_bytes, tiles, tab, lscale, out);
   const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) throw std::runtime_error(std::string("tile_max_kernel: ") + cudaGetErrorString(e));
+  if (e != cudaSuccess) throw std::runtime_error(std::string("tile maxima kernel: ") + cudaGetErrorString(e));
 }
 
 }  // namespace
 
-// Tile maxima out float32 [ceil(n / TILE), m] of m <= 8 queries q (float32 [m, row_bytes * 2], the coordinates in
+// Tile maxima out float32 [ceil(n / TILE), m] of m <= 16 queries q (float32 [m, row_bytes * 2], the coordinates in
 // order, scaled like the Triton scan's planar queries; qscale float32 [m]) over n code rows of row_bytes bytes
 // (a multiple of 32) with float16 norms; ``tab``: the four words of the run's int8 levels (negative codes 0-3,
-// 4-7, positive codes 8-11, 12-15), lscale their scale. Pointers and the stream as integers.
+// 4-7, positive codes 8-11, 12-15), lscale their scale. 1-4 queries: rows_kernel, 5-16: mma_kernel. Pointers and
+// the stream as integers.
 void tile_max_launch(int64_t codes, int64_t norm, int64_t q, int64_t qscale, int64_t m, int64_t n, int64_t row_bytes,
                      bool l2, const std::vector<int64_t>& tab, double lscale, int64_t out, int64_t stream) {
   const uint4 t = make_uint4((uint32_t)tab[0], (uint32_t)tab[1], (uint32_t)tab[2], (uint32_t)tab[3]);
-  auto go = [&](auto nq, auto l2c) {
-    launch<decltype(nq)::value, decltype(l2c)::value>(
-        reinterpret_cast<const uint8_t*>(codes), reinterpret_cast<const __half*>(norm),
-        reinterpret_cast<const float*>(q), reinterpret_cast<const float*>(qscale), (int)m, n, (int)row_bytes, t,
-        (float)lscale, reinterpret_cast<float*>(out), reinterpret_cast<cudaStream_t>(stream));
+  auto go = [&](auto kernel, int nq) {
+    launch(kernel, nq, reinterpret_cast<const uint8_t*>(codes), reinterpret_cast<const __half*>(norm),
+           reinterpret_cast<const float*>(q), reinterpret_cast<const float*>(qscale), (int)m, n, (int)row_bytes, t,
+           (float)lscale, reinterpret_cast<float*>(out), reinterpret_cast<cudaStream_t>(stream));
   };
-  auto with_l2 = [&](auto nq) {
-    if (l2) go(nq, std::true_type{}); else go(nq, std::false_type{});
-  };
-  if (m <= 1) with_l2(std::integral_constant<int, 1>{});
-  else if (m <= 2) with_l2(std::integral_constant<int, 2>{});
-  else if (m <= 4) with_l2(std::integral_constant<int, 4>{});
-  else with_l2(std::integral_constant<int, 8>{});
+  if (m <= 1) l2 ? go(rows_kernel<1, true>, 1) : go(rows_kernel<1, false>, 1);
+  else if (m <= 2) l2 ? go(rows_kernel<2, true>, 2) : go(rows_kernel<2, false>, 2);
+  else if (m <= 4) l2 ? go(rows_kernel<4, true>, 4) : go(rows_kernel<4, false>, 4);
+  else if (m <= 8) l2 ? go(mma_kernel<1, true>, 8) : go(mma_kernel<1, false>, 8);
+  else l2 ? go(mma_kernel<2, true>, 16) : go(mma_kernel<2, false>, 16);
 }
