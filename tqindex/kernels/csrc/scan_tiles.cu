@@ -201,8 +201,8 @@ __global__ void __launch_bounds__(TILE) mma_kernel(const uint8_t* __restrict__ c
           tq4::lookup_i8(w1, tab.x, tab.y, tab.z, tab.w, a1, a3);
           if (!in) a0 = a1 = a2 = a3 = 0;
           if constexpr (L2) {
-            sq0 = __dp4a(int(a2), int(a2), __dp4a(int(a0), int(a0), sq0));
-            sq1 = __dp4a(int(a3), int(a3), __dp4a(int(a1), int(a1), sq1));
+            sq0 = dp4a(a2, a2, dp4a(a0, a0, sq0));
+            sq1 = dp4a(a3, a3, dp4a(a1, a1, sq1));
           }
           const int at = c * 128 + 8 * (4 * t + s);  // the word's first coordinate
 #pragma unroll
