@@ -16,7 +16,7 @@
 // Two kernels, measured on an H200 (10M x 128, 1M x 1536): for 1-4 queries rows_kernel, one row per thread and
 // dp4a (four products per instruction, per query); for 5-16 mma_kernel, 16 rows per tensor-core MMA, whose cost
 // hardly grows with the queries (10M x 128: 1, 2, 4, 8 queries 209, 228, 265, 365 us by rows_kernel, 353, 355,
-// 356, 357 by mma_kernel, 16 queries 389; 1M x 1536: 402-439 us against 324-331).
+// 356, 357 by mma_kernel, 16 queries 389; 1M x 1536: 354-439 us against 324-331).
 //
 // rows_kernel: a block of TILE threads takes tiles TILE rows at a time (a grid of resident blocks strides over the
 // tiles); a thread takes one row: it reads the row's codes in 16-byte loads through L1 (row_bytes a multiple of
