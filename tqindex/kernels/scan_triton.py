@@ -559,13 +559,14 @@ class TritonScorer(Scorer):
         a query had more than there was room for (overflow); MODE_MAX: each query's maximum only (to time the
         scan alone). MODE_TILE_MAX and MODE_MAX run the CUDA kernel of ``scan_cuda`` where it reads the codes."""
         sel = slice(None) if rows is None else rows
-        qp, qscale = self.qp[sel].contiguous(), self.qscale[sel].contiguous()
-        n, m, kt = len(codes), len(qp), 1 if mode == MODE_MAX else candidate_depth(k)  # MODE_MAX: one row
+        qscale = self.qscale[sel].contiguous()
+        n, m, kt = len(codes), len(qscale), 1 if mode == MODE_MAX else candidate_depth(k)  # MODE_MAX: one row
         if mode in (MODE_MAX, MODE_TILE_MAX) and self._cuda_tiles(codes, m):
             maxima = scan_cuda.tile_maxima(codes, self.qp32[sel], RunLayout(*self.runs[0]), qscale, self.levels_i8,
                                            self.l2)
             maxima = maxima.amax(1, keepdim=True) if mode == MODE_MAX else maxima
             return maxima, maxima, None
+        qp = self.qp[sel].contiguous()  # the float16 queries the Triton kernel multiplies
         common = self._common(m, mode)
         block_n, q_blocks = common["BLOCK_N"], cdiv(m, common["BLOCK_Q"])
         sms = multiprocessors(qp.device)
