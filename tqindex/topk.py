@@ -47,8 +47,8 @@ def make_topk(nq: int, k: int, device: torch.device, backend: str | None = None)
 
 def top_columns(x: Tensor, k: int, backend: str | None = None) -> tuple[Tensor, Tensor]:
     """The k largest entries of each row of x float32 [m, n] (k <= n, no NaN), best first -> (values [m, k],
-    columns int64 [m, k]): ``torch.topk``, or for small k the Triton kernel where
-    ``kernels.select`` picks Triton (``kernels/topk_triton.py``)."""
+    columns int64 [m, k]): ``torch.topk``, or for a few rows the Triton kernel where ``kernels.select`` picks
+    Triton (``kernels/topk_triton.py``)."""
     if kernels.select(x, backend, ("triton",), "a top-k") == "triton":
         from .kernels.topk_triton import fits, top_columns_triton  # imports triton
 

@@ -1,4 +1,4 @@
-"""The Triton top-k of rows (long ones in two rounds) against torch.topk."""
+"""The Triton top-k of a few rows (long ones in rounds of pieces) against torch.topk."""
 
 import pytest
 import torch
@@ -8,11 +8,11 @@ from devices import DEVICE, needs_triton
 pytestmark = needs_triton
 
 
-@pytest.mark.parametrize("m, n, k", [(1, 1, 1), (3, 127, 10), (2, 129, 32), (1, 4097, 17), (5, 8192, 32),
-                                     (3, 8193, 5), (2, 20000, 32)])
+@pytest.mark.parametrize("m, n, k", [(1, 1, 1), (3, 127, 10), (2, 129, 32), (1, 4097, 17), (1, 8192, 32),
+                                     (1, 8193, 5), (2, 2500, 100), (1, 9000, 128), (1, 3000, 256), (16, 300, 64)])
 def test_top_columns_equal_torch_topk(m, n, k):
     """Values equal torch.topk's; columns hold those values and are distinct; ties (repeated values, -inf, +-0)
-    come earlier column first (rows past 8192 entries: across their pieces too, never a padding column)."""
+    come earlier column first (across pieces and rounds too, never a padding column)."""
     from tqindex.kernels.topk_triton import top_columns_triton
 
     g = torch.Generator().manual_seed(n)
@@ -32,11 +32,20 @@ def test_top_columns_equal_torch_topk(m, n, k):
 
 
 def test_strided_rows_and_bad_k():
-    from tqindex.kernels.topk_triton import SMALL_K, top_columns_triton
+    """Rows and columns of any stride (tile maxima come transposed); k outside [1, min(n, MAX_K)] or more than
+    MAX_ROWS rows raise."""
+    from tqindex.kernels.topk_triton import MAX_K, MAX_ROWS, top_columns_triton
 
     x = torch.randn(8, 300, device=DEVICE)
     v, c = top_columns_triton(x[::2, 10:], 5)
     assert torch.equal(v, torch.topk(x[::2, 10:], 5, dim=1).values)
-    for k in (0, 291, SMALL_K + 1):
+    t = torch.randn(1500, 3, device=DEVICE).T
+    v, c = top_columns_triton(t, 40)
+    assert torch.equal(v, torch.topk(t, 40, dim=1).values) and torch.equal(t.gather(1, c), v)
+    for k in (0, 291):
         with pytest.raises(ValueError, match="top_columns_triton takes"):
             top_columns_triton(x[:, 10:], k)
+    with pytest.raises(ValueError, match="top_columns_triton takes"):
+        top_columns_triton(torch.randn(2, MAX_K + 10, device=DEVICE), MAX_K + 1)
+    with pytest.raises(ValueError, match="top_columns_triton takes"):
+        top_columns_triton(torch.randn(MAX_ROWS + 1, 10, device=DEVICE), 3)

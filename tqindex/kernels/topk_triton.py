@@ -1,14 +1,17 @@
-"""The k largest entries of rows on GPUs (Triton) for small k: one program per row of up to SMALL_COLUMNS entries,
-the row held in registers, the maximum extracted k times; a longer row in two rounds (the k best of each piece of
-SMALL_COLUMNS entries, then the k best of those).
+"""The k largest entries of a few rows on GPUs (Triton): bitonic top-k of packed keys, in rounds of pieces.
 
-``torch.topk`` on a CUDA row of a few thousand entries costs about 20 µs whatever k is (a radix selection of
-several passes, each a block-wide histogram); the few-query searches of a GPU index make several such calls. A
-row of at most SMALL_COLUMNS entries fits one program's registers, and k <= SMALL_K extractions of its
-maximum (one reduction each) take less: on an H200, the two selections of a one-query search of 390k rows
-(k = 32 of 1,524 tile maxima, k = 10 of 8,192 scores) took 19 µs together against 42 µs by ``torch.topk``
-(eager profiles). The 39,063 tile maxima of a one-query search of 10M rows (k = 32) took 36 µs in two rounds
-against 66 µs by ``torch.topk`` (``do_bench``, launches included). The reference is ``torch.topk(x, k, dim=1)``.
+Each entry becomes one int64 key: the float's order-preserving int32 image (negative floats' magnitude bits
+flipped) in the high half, ``2^31 - 1 - column`` in the low half, so keys order as (value, earlier column) and
+carry their column. A program takes a piece of PIECE keys of one row and keeps its K best (``tl.topk``, a
+bitonic network in registers; K = k rounded up to a power of two, at least 2); the pieces' bests form a row of keys that
+the next round treats the same way, until one piece is left, whose k best are written as values and columns.
+
+``torch.topk`` on a CUDA row costs 40-55 µs whatever k is (a radix selection of several passes); the searches
+of a few queries make one to three such calls. On an H200 (CUDA graphs, launches included) one row of 39,063
+tile maxima took 12.7 µs for k = 32 (``torch.topk`` 46.8) and 26.5 µs for k = 128 (54.4), 16 such rows 29 and
+51 µs (69 and 71), one row of 8,192 scores 5.1 µs for k = 10 (38.3). For many rows ``torch.topk`` is faster
+(256 rows of 39,063: 187 µs against 270), so :func:`fits` takes at most MAX_ROWS rows. The reference is
+``torch.topk(x, k, dim=1)``.
 """
 
 from __future__ import annotations
@@ -20,70 +23,77 @@ from torch import Tensor
 
 from .planes import cdiv, next_power_of_2
 
-SMALL_COLUMNS = 8192
-"""Longest rows the kernel takes (held in one program's registers)."""
-SMALL_K = 32
-"""Largest k it takes (each of the k extractions is one reduction over the row)."""
-LOWEST = tl.constexpr(-(2**31))
-"""The key of entries past the row's end and of entries already taken: below every float's key."""
+MAX_ROWS = 16
+"""Most rows :func:`top_columns_triton` takes."""
+MAX_K = 256
+"""Largest k it takes."""
+PIECE = 1024
+"""Keys per program in a round of several pieces."""
+ONE_PIECE = 8192
+"""Rows of up to this many entries are taken in one round when K <= ONE_PIECE_K."""
+ONE_PIECE_K = 32
+LOWEST = tl.constexpr(-(2**63))
+"""The key of places past the row's end: below every entry's key."""
 
 
 @triton.jit
-def _top_columns_kernel(X, n, x_stride, k, OUT_V, OUT_I, BLOCK: tl.constexpr, KP: tl.constexpr):
-    """Program per row: the k largest of X[row, :n] (float32, no NaN), best first (of equal values the earlier
-    column), to OUT_V float32 / OUT_I int64 [rows, k]. Floats are compared as int32 keys that keep their order
-    (negative floats' magnitude bits flipped), so taken entries can be set below every value, -inf included."""
+def _top_keys_kernel(X, n, x_stride, col_stride, piece, OUT_K, out_stride, OUT_V, OUT_I, k,
+                     KEYS: tl.constexpr, LAST: tl.constexpr, BLOCK: tl.constexpr, K: tl.constexpr):
+    """Program (row, piece): the K best keys of entries [piece * p, piece * (p + 1)) of row X[row] (< n) -> OUT_K
+    [rows, pieces * K] at p * K (best first); KEYS: X holds a previous round's int64 keys, else float32 values
+    (no NaN) at column stride ``col_stride``. LAST (one piece): the k best as values OUT_V float32 and columns
+    OUT_I int64 [rows, k] instead."""
     row = tl.program_id(0).to(tl.int64)
-    c = tl.arange(0, BLOCK)
-    bits = tl.load(X + row * x_stride + c, mask=c < n, other=0.0).to(tl.int32, bitcast=True)
-    key = tl.where(c < n, bits ^ ((bits >> 31) & 0x7FFFFFFF), LOWEST)
-    slot = tl.arange(0, KP)
-    top_key = tl.zeros((KP,), tl.int32)
-    top_col = tl.zeros((KP,), tl.int32)
-    for i in range(k):
-        best, at = tl.max(key, 0, return_indices=True)  # the first column of equal maxima
-        top_key = tl.where(slot == i, best, top_key)
-        top_col = tl.where(slot == i, at, top_col)
-        key = tl.where(c == at, LOWEST, key)
-    out = row * k + slot
-    bits = top_key ^ ((top_key >> 31) & 0x7FFFFFFF)
-    tl.store(OUT_V + out, bits.to(tl.float32, bitcast=True), mask=slot < k)
-    tl.store(OUT_I + out, top_col.to(tl.int64), mask=slot < k)
+    p = tl.program_id(1)
+    c = p * piece + tl.arange(0, BLOCK)
+    inside = (tl.arange(0, BLOCK) < piece) & (c < n)
+    if KEYS:
+        key = tl.load(X + row * x_stride + c, mask=inside, other=LOWEST)
+    else:
+        bits = tl.load(X + row * x_stride + c.to(tl.int64) * col_stride, mask=inside, other=0.0).to(tl.int32,
+                                                                                                    bitcast=True)
+        order = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
+        key = tl.where(inside, (order << 32) | (2147483647 - c).to(tl.int64), LOWEST)
+    top = tl.topk(key, K)
+    slot = tl.arange(0, K)
+    if LAST:
+        order = (top >> 32).to(tl.int32)
+        values = (order ^ ((order >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+        tl.store(OUT_V + row * k + slot, values, mask=slot < k)
+        tl.store(OUT_I + row * k + slot, (2147483647 - top.to(tl.int32)).to(tl.int64), mask=slot < k)
+    else:
+        tl.store(OUT_K + row * out_stride + p * K + slot, top)
 
 
 def fits(x: Tensor, k: int) -> bool:
-    """Whether :func:`top_columns_triton` takes the k largest of rows x [m, n] (k <= SMALL_K; the pieces' k best
-    of a long row fit one row)."""
-    return x.dim() == 2 and k <= SMALL_K and cdiv(x.shape[1], SMALL_COLUMNS) * k <= SMALL_COLUMNS
+    """Whether :func:`top_columns_triton` takes the k largest of rows x [m, n]."""
+    return x.dim() == 2 and x.shape[0] <= MAX_ROWS and 1 <= k <= min(MAX_K, x.shape[1])
 
 
 def top_columns_triton(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """The k largest entries of each row of x float32 [m, n] (1 <= k <= min(n, SMALL_K), n up to SMALL_COLUMNS *
-    SMALL_COLUMNS / k, no NaN), best first, of equal values the earlier column first -> (values float32 [m, k],
-    columns int64 [m, k]). One launch for rows of up to SMALL_COLUMNS entries, else two (pieces padded with
-    -inf, which come after every column of the row); ``torch.topk(x, k, dim=1)`` is the reference."""
-    if not (fits(x, k) and 1 <= k <= x.shape[1]):
-        raise ValueError(f"top_columns_triton takes 1 <= k <= n, k <= {SMALL_K} and n <= {SMALL_COLUMNS} * "
-                         f"{SMALL_COLUMNS} / k, got k = {k} of rows of {x.shape[-1]}")
+    """The k largest entries of each row of x float32 [m, n] (any strides; m <= MAX_ROWS, 1 <= k <= min(n, MAX_K),
+    no NaN), best first, of equal values the earlier column first -> (values float32 [m, k], columns int64
+    [m, k]); ``torch.topk(x, k, dim=1)`` is the reference (module notes)."""
+    if not fits(x, k):
+        raise ValueError(f"top_columns_triton takes at most {MAX_ROWS} rows and 1 <= k <= min(n, {MAX_K}), got k = "
+                         f"{k} of {tuple(x.shape)}")
     x = x.float()
     m, n = x.shape
-    if n <= SMALL_COLUMNS:
-        return _top_columns(x if x.stride(1) == 1 else x.contiguous(), k)
-    pieces = cdiv(n, SMALL_COLUMNS)
-    padded = torch.nn.functional.pad(x, (0, pieces * SMALL_COLUMNS - n), value=float("-inf"))
-    values, columns = _top_columns(padded.view(m * pieces, SMALL_COLUMNS), k)  # [m * pieces, k]
-    columns += torch.arange(0, pieces * SMALL_COLUMNS, SMALL_COLUMNS, device=x.device).repeat(m)[:, None]
-    values, best = _top_columns(values.view(m, pieces * k), k)  # of equal values the earlier piece's first
-    return values, columns.view(m, pieces * k).gather(1, best)
-
-
-def _top_columns(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """:func:`top_columns_triton` of rows x float32 [m, n <= SMALL_COLUMNS] (unit column stride): one launch."""
-    m, n = x.shape
+    kp = max(2, next_power_of_2(k))  # tl.topk of Triton 3.6 fails for k = 1
     values = torch.empty(m, k, device=x.device)
     columns = torch.empty(m, k, dtype=torch.int64, device=x.device)
-    if m:
-        block = next_power_of_2(n)
-        _top_columns_kernel[(m,)](x, n, x.stride(0), k, values, columns, BLOCK=block, KP=next_power_of_2(k),
-                                  num_warps=8 if block >= 4096 else 4)
-    return values, columns
+    if not m:
+        return values, columns
+    src, keys, width = x, False, n
+    piece = ONE_PIECE if kp <= ONE_PIECE_K and n <= ONE_PIECE else max(PIECE, 2 * kp)
+    while True:
+        pieces = cdiv(width, piece)
+        last = pieces == 1
+        block = max(next_power_of_2(width), kp) if last else piece
+        out = values if last else torch.empty(m, pieces * kp, dtype=torch.int64, device=x.device)
+        _top_keys_kernel[(m, pieces)](src, width, src.stride(0), 1 if keys else src.stride(1), block, out,
+                                      out.stride(0), values, columns, k, KEYS=keys, LAST=last, BLOCK=block, K=kp,
+                                      num_warps=8 if block >= 4096 else 4)
+        if last:
+            return values, columns
+        src, keys, width = out, True, pieces * kp
