@@ -177,6 +177,29 @@ def test_sampled_bound_then_filter(monkeypatch, room, nq):
     same_up_to_ties(*index.search(q, 10), D0, I0)
 
 
+def test_batch_best_tiles_rescored(monkeypatch):
+    """Past TILE_QUERIES queries, tiles of TILE_ROWS rows (groups of the kernel's row blocks; the last partial)
+    keep each query's maximum where the rows re-scored are few enough: the maxima equal those of single blocks
+    grouped, and the search equals the reference."""
+    st = small_tiles(monkeypatch)
+    monkeypatch.setattr(st, "SAMPLE_FRACTION", 3)
+    monkeypatch.setattr(st, "TILE_ROWS", 64)
+    monkeypatch.setattr(st, "BATCH_TILE_SHARE", 1)
+    x, q = data(1999, 64, 15).to(DEVICE), data(40, 64, 16).to(DEVICE)
+    index = flat("tq4", 64, "ip", x)
+    D0, I0 = index.search(q, 5)
+    index.backend = "triton"
+    same_up_to_ties(*index.search(q, 5), D0, I0)
+    codes = index._state.lists[0].live_codes
+    scorer = st.TritonScorer(index.encoder, index.encoder.rotate(q), False)
+    single = scorer.scan(codes, 5, mode=st.MODE_TILE_MAX)[0]  # [40, 125] blocks of 16 rows
+    grouped = scorer.scan(codes, 5, mode=st.MODE_TILE_MAX, group=4)[0]
+    ref = torch.nn.functional.pad(single, (0, 3), value=float("-inf")).view(40, 32, 4).amax(2)
+    assert torch.equal(grouped, ref)
+    vals, cand, exact = scorer.candidates(codes, 5)
+    assert exact and vals.shape == (40, st.candidate_depth(5) * 64)
+
+
 @pytest.mark.parametrize("nq, k, metric", [(1, 10, "l2"), (2, 1, "ip"), (5, 5, "cosine")])
 def test_best_tiles_rescored(monkeypatch, nq, k, metric):
     """Few queries keep each tile's maximum; the rows of a query's best candidate_depth(k) tiles (the last

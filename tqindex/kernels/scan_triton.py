@@ -49,7 +49,7 @@ TILES_TOPK = {2: (256, 4), 16: (256, 8), 32: (64, 8), 64: (64, 8)}
 """The same where each query keeps a running top-k in registers (the flat top-k mode and the IVF lists):
 fewer queries per program and 8 warps, else the score tile, the decoded planes and the top-k state spill."""
 TILES_FILTER = {**TILES, 128: (32, 4), 256: (32, 8)}
-"""The same for the filtering scan and its sample's tile maxima: 32-row tiles from 128 queries on, 8 warps
+"""The same for the filtering scan and the tile maxima: 32-row tiles from 128 queries on, 8 warps
 at 256 (at 4 warps the filter's hit extraction spilled registers; on an H200 at 10M x 128 tq4 and 4096
 queries its scan took 102 ms instead of 119, at 256 queries 6.8 instead of 8.2)."""
 MODE_TOPK, MODE_FILTER, MODE_MAX, MODE_TILE_MAX = 0, 1, 2, 3
@@ -280,7 +280,7 @@ def _flat_scan_kernel(CODES, NORM, n, row_bytes, QP, qw, nq, QSCALE, MAG, OUT_V,
                       THR, thr_stride, COUNT, cap,
                       R0: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr, L2: tl.constexpr,
                       DECODE: tl.constexpr, KT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
-                      T0, T1, T2, T3, T4, T5, T6, T7, T8, T9, T10, T11, MODE: tl.constexpr):
+                      T0, T1, T2, T3, T4, T5, T6, T7, T8, T9, T10, T11, MODE: tl.constexpr, GROUP: tl.constexpr = 1):
     """Program (query block, row split) over rows [split * rows_per_split, ...) for BLOCK_Q queries.
 
     MODE 0 (top-k): the top-KT rows of each query, written to OUT_V / OUT_I [splits, KT, nq].
@@ -288,7 +288,8 @@ def _flat_scan_kernel(CODES, NORM, n, row_bytes, QP, qw, nq, QSCALE, MAG, OUT_V,
     count COUNT[q] (atomic, one per query column and round: a tile's hits leave one per column per round;
     rows past ``cap`` are counted, not written).
     MODE 2: only each query's maximum (to time the scan alone).
-    MODE 3 (tile maxima): each tile's maximum per query, OUT_V [tiles, nq] (tile = first row / BLOCK_N)."""
+    MODE 3 (tile maxima): each tile of GROUP * BLOCK_N rows' maximum per query, OUT_V [tiles, nq] (tile = first
+    row / (GROUP * BLOCK_N); rows_per_split is a multiple of GROUP * BLOCK_N)."""
     qb, sp = tl.program_id(0), tl.program_id(1)
     qcols = qb * BLOCK_Q + tl.arange(0, BLOCK_Q)
     qmask = qcols < nq
@@ -299,6 +300,7 @@ def _flat_scan_kernel(CODES, NORM, n, row_bytes, QP, qw, nq, QSCALE, MAG, OUT_V,
     T = (T0, T1, T2, T3, T4, T5, T6, T7, T8, T9, T10, T11)
     if MODE == 1:
         thr = tl.load(THR + qcols * thr_stride, mask=qmask, other=float("inf"))
+    tmax = tl.full((BLOCK_Q,), float("-inf"), tl.float32)
     for r0 in range(start, stop, BLOCK_N):
         rows = r0 + tl.arange(0, BLOCK_N)
         rows = tl.where(rows < stop, rows, n)  # past this split: masked like rows past the end
@@ -325,7 +327,10 @@ def _flat_scan_kernel(CODES, NORM, n, row_bytes, QP, qw, nq, QSCALE, MAG, OUT_V,
         elif MODE == 2:
             vals = tl.maximum(vals, tl.max(score, axis=0)[None, :])
         else:
-            tl.store(OUT_V + (r0 // BLOCK_N) * nq + qcols, tl.max(score, axis=0), mask=qmask)
+            tmax = tl.maximum(tmax, tl.max(score, axis=0))
+            if ((r0 - start) // BLOCK_N % GROUP == GROUP - 1) | (r0 + BLOCK_N >= stop):  # its tile's last block
+                tl.store(OUT_V + (r0 // (BLOCK_N * GROUP)) * nq + qcols, tmax, mask=qmask)
+                tmax = tl.full((BLOCK_Q,), float("-inf"), tl.float32)
     if MODE == 0 or MODE == 2:
         out = sp * KT * nq + tl.arange(0, KT)[:, None] * nq + qcols[None, :]
         tl.store(OUT_V + out, vals, mask=qmask[None, :])
@@ -511,6 +516,13 @@ their maxima), whose rows are then scored exactly. Beyond, the sampled bound and
 H200 (10M x 128 tq4, graph replays) 16 queries took 0.98 ms instead of 1.20 at k = 10 and 1.10 instead of
 1.22 at k = 100; at 390k x 50, where their rows re-scored would exceed the sample, 0.32 and 0.46 ms instead of
 0.30 and 0.32."""
+TILE_ROWS = 128
+"""Beyond TILE_QUERIES queries, tiles of this many rows (groups of the kernel's row blocks) keep their maxima
+where the rows re-scored per query (candidate_depth(k) tiles) are at most 1 / BATCH_TILE_SHARE of the rows:
+on an H200 (10M x 128 tq4, 4096 queries) the search took 84.6 ms at k = 10 and 96.5 at k = 100 instead of
+114.6 and 150.6 by the sampled bound and filtering scan (tiles of 256 rows: 85.6 and 109.1; of 64: 89.5 and
+95.6). At 390k x 50 (re-scored rows 1 / 47 of the index at k = 10) the tiles lost: 8.1 ms instead of 6.4."""
+BATCH_TILE_SHARE = 128
 SAMPLE_FRACTION = 8
 """A flat scan first scans one row in this many (at least SAMPLE_TILES tiles per candidate kept) and
 takes each tile's best score per query: the k-th largest of those (k distinct rows) bounds the final
@@ -552,12 +564,13 @@ class TritonScorer(Scorer):
 
     # -- flat -------------------------------------------------------------------------------------------
     def scan(self, codes: Codes, k: int, rows: Tensor | None = None, mode: int = MODE_TOPK,
-             threshold: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+             threshold: Tensor | None = None, group: int = 1) -> tuple[Tensor, Tensor, Tensor | None]:
         """The flat kernel over codes [n] for query rows ``rows`` (all when None) -> (approximate scores float32
         [m, c], their rows int32 [m, c] (score -inf: none), bool [m] or None). MODE_TOPK: each program's top
         candidates; MODE_FILTER: the rows scoring at least ``threshold`` (float32 [m], any stride), and whether
         a query had more than there was room for (overflow); MODE_MAX: each query's maximum only (to time the
-        scan alone). MODE_TILE_MAX and MODE_MAX run the CUDA kernel of ``scan_cuda`` where it reads the codes."""
+        scan alone). MODE_TILE_MAX: each tile of ``group`` blocks of rows' maximum per query [m, tiles]; it and
+        MODE_MAX run the CUDA kernel of ``scan_cuda`` (tiles of scan_cuda.TILE rows) where it reads the codes."""
         sel = slice(None) if rows is None else rows
         qscale = self.qscale[sel].contiguous()
         n, m, kt = len(codes), len(qscale), 1 if mode == MODE_MAX else candidate_depth(k)  # MODE_MAX: one row
@@ -571,11 +584,12 @@ class TritonScorer(Scorer):
         block_n, q_blocks = common["BLOCK_N"], cdiv(m, common["BLOCK_Q"])
         sms = multiprocessors(qp.device)
         splits = max(1, min(cdiv(n, 4 * block_n), cdiv(PROGRAMS_PER_SM * sms, q_blocks)))
-        per_split = cdiv(cdiv(n, splits), block_n) * block_n
+        span = block_n * (group if mode == MODE_TILE_MAX else 1)
+        per_split = cdiv(cdiv(n, splits), span) * span
         splits = cdiv(n, per_split)
         count = cap = None
         if mode == MODE_TILE_MAX:
-            out_v = torch.empty(cdiv(n, block_n), m, device=qp.device)
+            out_v = torch.empty(cdiv(n, span), m, device=qp.device)
             out_i = out_v  # not written
         elif mode == MODE_FILTER:
             cap = CAPACITY_FACTOR * kt * SAMPLE_FRACTION + CAPACITY_EXTRA
@@ -590,7 +604,7 @@ class TritonScorer(Scorer):
             qdata, norm, n, qdata.shape[1], qp, qp.shape[1], m, qscale, self.mags, out_v, out_i, per_split,
             qscale if threshold is None else threshold, 1 if threshold is None else threshold.stride(0),
             qscale if count is None else count, cap or 0, KT=kt, **common,
-            **{f"T{i}": self.tables[i] for i in range(12)}, MODE=mode)
+            **{f"T{i}": self.tables[i] for i in range(12)}, MODE=mode, GROUP=span // block_n)
         if mode == MODE_FILTER:
             return out_v, out_i, count > cap
         if mode == MODE_TILE_MAX:
@@ -599,18 +613,19 @@ class TritonScorer(Scorer):
 
     def candidates(self, codes: Codes, k: int, rows: Tensor | None = None) -> tuple[Tensor, Tensor, bool]:
         """Scores and rows [m, c] that hold every query's top candidate_depth(k) rows, and whether the scores
-        are exact: a running top-k for small n; for few queries the rows of each query's best tiles
-        (TILE_QUERIES), scored exactly; else the top-k of a sample bounds the k-th best and a filtering
-        scan keeps the rows that reach it (queries whose candidates overflow are scanned again with a running
-        top-k)."""
+        are exact: a running top-k for small n; where few rows would be re-scored the rows of each query's best
+        tiles (TILE_QUERIES, TILE_ROWS), scored exactly; else the top-k of a sample bounds the k-th best and a
+        filtering scan keeps the rows that reach it (queries whose candidates overflow are scanned again with a
+        running top-k)."""
         n, kt, m = len(codes), candidate_depth(k), self.m if rows is None else len(rows)
         block_n = scan_cuda.TILE if self._cuda_tiles(codes, m) else self._common(m, MODE_TILE_MAX)["BLOCK_N"]
+        group = max(1, TILE_ROWS // block_n) if m > TILE_QUERIES else 1
         sample = max(n // SAMPLE_FRACTION, SAMPLE_TILES * kt * block_n)
         if n <= 2 * sample:
             return *self.scan(codes, k, rows)[:2], False
-        if m <= TILE_QUERIES and m * kt * block_n <= sample:
-            maxima, _, _ = self.scan(codes, k, rows, MODE_TILE_MAX)  # [m, tiles]
-            return *self.rescore(rows, codes, top_columns(maxima, kt, "triton")[1], block_n), True
+        if m * kt * block_n <= sample if m <= TILE_QUERIES else kt * block_n * group * BATCH_TILE_SHARE <= n:
+            maxima, _, _ = self.scan(codes, k, rows, MODE_TILE_MAX, group=group)  # [m, tiles]
+            return *self.rescore(rows, codes, top_columns(maxima, kt, "triton")[1], block_n * group), True
         maxima, _, _ = self.scan(codes[:sample], k, rows, MODE_TILE_MAX)  # [m, tiles]
         bound = top_columns(maxima, kt, "triton")[0][:, -1]  # kt distinct rows reach it: <= the final kt-th best
         vals, cand, overflow = self.scan(codes, k, rows, MODE_FILTER, bound)
