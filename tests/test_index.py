@@ -174,6 +174,24 @@ def test_bad_vectors_rejected_and_index_unchanged(x, error, match):
     assert snapshot(index, q) == before
 
 
+@pytest.mark.parametrize("metric", METRICS)
+def test_non_finite_queries_named(metric):
+    """A query row with a NaN or an infinite value is reported as such under every metric (the "ip" and "l2"
+    checks find it through its norm), a finite row too long for float32 scores by its norm."""
+    index = tq.FlatIndex(tq.TurboQuantMSE(dim=50, bits=4), metric=metric)
+    index.add(data(10, 50))
+    for bad, match in ((np.nan, "NaN or infinite"), (-np.inf, "NaN or infinite")):
+        q = data(3, 50, 5)
+        q[1, 7] = bad
+        with pytest.raises(ValueError, match=match):
+            index.search(q, 2)
+    if metric != "cosine":
+        q = data(3, 50, 5)
+        q[2] = 3e37
+        with pytest.raises(ValueError, match="norms outside"):
+            index.search(q, 2)
+
+
 def test_interrupted_add_leaves_index_unchanged(monkeypatch):
     index = tq.FlatIndex(tq.TurboQuantMSE(dim=50, bits=4), keep_vectors=True)
     index.add(data(10, 50))

@@ -62,11 +62,12 @@ def id_array(ids: Any, name: str, n: int | None = None) -> np.ndarray:
     return a
 
 
-def as_float_tensor(x: Any, dim: int, name: str = "x", allow_empty: bool = False) -> Tensor:
+def as_float_tensor(x: Any, dim: int, name: str = "x", allow_empty: bool = False, finite: bool = True) -> Tensor:
     """Validate vectors ``x`` [..., dim] (numpy or torch, floating) and return them as float32 torch.
 
     Raises TypeError for non-array or non-float input, ValueError for a wrong last dimension, an
-    empty batch (unless ``allow_empty``) or NaN/inf values (also values beyond float32's range).
+    empty batch (unless ``allow_empty``) or NaN/inf values (also values beyond float32's range; not checked
+    with ``finite=False``, for callers whose :func:`check_norms` of the rows does).
     """
     if isinstance(x, np.ndarray):
         if not np.issubdtype(x.dtype, np.floating):
@@ -84,13 +85,19 @@ def as_float_tensor(x: Any, dim: int, name: str = "x", allow_empty: bool = False
     if t.numel() == 0 and not allow_empty:
         raise ValueError(f"{name} is empty (shape {tuple(t.shape)}): nothing to encode")
     t = t.detach().float()
+    if finite:
+        check_finite(t, name)
+    return t
+
+
+def check_finite(t: Tensor, name: str) -> None:
+    """ValueError if float32 t holds NaN or infinite values (or values beyond float32's range)."""
     if t.device.type == "cpu":  # numpy: one thread, so no torch worker threads are woken to spin
         finite = bool(np.isfinite(t.numpy()).all())
     else:  # NaN propagates; one pass
         finite = not t.numel() or not any_true(~torch.isfinite(torch.stack(torch.aminmax(t))))
     if not finite:
         raise ValueError(f"{name} contains NaN or infinite values (or values beyond float32's range)")
-    return t
 
 
 def row_norms(t: Tensor) -> Tensor:
@@ -122,11 +129,15 @@ def unit_rows(t: Tensor) -> tuple[Tensor, Tensor]:
     return n, u
 
 
-def check_norms(norms: Tensor, low: float, high: float, name: str, holder: str, remedy: str) -> None:
+def check_norms(norms: Tensor, low: float, high: float, name: str, holder: str, remedy: str,
+                rows: Tensor | None = None) -> None:
     """ValueError naming the rows whose nonzero norm (float32 [n]) is outside [low, high]: ``holder`` is
-    what cannot hold them, ``remedy`` what the caller can do."""
+    what cannot hold them, ``remedy`` what the caller can do. A row with NaN or infinite values has a NaN or
+    infinite norm: given the ``rows`` themselves, those are reported as such (:func:`check_finite`)."""
     bad = (norms.clamp(low, high) != norms) & (norms != 0)  # NaN too (few kernels: searches validate queries)
     if any_true(bad):
+        if rows is not None:
+            check_finite(rows, name)
         rows = torch.nonzero(bad).squeeze(1)
         shown = ", ".join(f"{int(r)} ({float(norms[r]):.3g})" for r in rows[:5])
         raise ValueError(f"{name} has {len(rows)} vectors with norms outside [{low:.3g}, {high:.3g}], the range "

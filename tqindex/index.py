@@ -302,7 +302,7 @@ class BaseIndex(ABC):
     def _vectors_in(self, x: Any, name: str, allow_empty: bool, stored: bool = False) -> Tensor:
         """Validate [n, dim] input -> float32 tensor on the index's device (unit rows for "cosine").
         Norms must suit the metric, and, for ``stored`` vectors, the encoder's side data."""
-        t = as_float_tensor(x, self.dim, name, allow_empty=allow_empty)
+        t = as_float_tensor(x, self.dim, name, allow_empty=allow_empty, finite=self.metric == "cosine")
         if t.dim() != 2:
             raise ValueError(f"{name} must be a 2-D array [n, {self.dim}], got shape {tuple(t.shape)}")
         t = t.to(self.device)
@@ -312,7 +312,7 @@ class BaseIndex(ABC):
             return unit_rows(t)[1]
         norms = row_norms(t)
         check_norms(norms, *INDEX_NORMS, name, f"an {self.metric!r} index",
-                    "rescale the vectors (scores and squared distances are float32)")
+                    "rescale the vectors (scores and squared distances are float32)", t)
         if stored:
             self.encoder.check_norms(norms, name)
         return t

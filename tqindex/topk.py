@@ -45,16 +45,21 @@ def make_topk(nq: int, k: int, device: torch.device, backend: str | None = None)
     return HeapTopK(nq, k) if device.type == "cpu" else TensorTopK(nq, k, device, backend)
 
 
-def top_columns(x: Tensor, k: int, backend: str | None = None) -> tuple[Tensor, Tensor]:
+def top_columns(x: Tensor, k: int, backend: str | None = None, labels: Tensor | None = None
+                ) -> tuple[Tensor, Tensor]:
     """The k largest entries of each row of x float32 [m, n] (k <= n, no NaN), best first -> (values [m, k],
-    columns int64 [m, k]): ``torch.topk``, or for a few rows the Triton kernel where ``kernels.select`` picks
-    Triton (``kernels/topk_triton.py``)."""
+    columns int64 [m, k]). With ``labels`` int64 [m, n]: entries of a negative label count as -inf, and their
+    labels come out instead of the columns, -1 for -inf. ``torch.topk``, or for a few rows the Triton kernel
+    where ``kernels.select`` picks Triton (``kernels/topk_triton.py``)."""
     if kernels.select(x, backend, ("triton",), "a top-k") == "triton":
         from .kernels.topk_triton import fits, top_columns_triton  # imports triton
 
         if fits(x, k):
-            return top_columns_triton(x, k)
-    return torch.topk(x, k, dim=1)
+            return top_columns_triton(x, k, labels)
+    if labels is None:
+        return torch.topk(x, k, dim=1)
+    v, j = torch.topk(x.masked_fill(labels < 0, -math.inf), k, dim=1)
+    return v, labels.gather(1, j).masked_fill(v == -math.inf, -1)
 
 
 class HeapTopK(TopK):
@@ -122,17 +127,13 @@ class TensorTopK(TopK):
         self.merge(scores, labels.to(scores.device).expand(scores.shape[0], -1), rows)
 
     def merge(self, values: Tensor, labels: Tensor, rows: Tensor | None = None) -> None:
-        values = values.float().masked_fill(labels < 0, -math.inf)
-        if self.values is None and rows is None and values.shape[1] >= self.k:
-            v, j = top_columns(values, self.k, self.backend)
-            lab = labels.gather(1, j)
-        else:
+        values = values.float()
+        if self.values is not None or rows is not None or values.shape[1] < self.k:
             self._start()
             old_v = self.values if rows is None else self.values[rows]
             old_l = self.labels if rows is None else self.labels[rows]
-            v, j = top_columns(torch.cat([old_v, values], 1), self.k, self.backend)
-            lab = torch.cat([old_l, labels], 1).gather(1, j)
-        lab = lab.masked_fill(v == -math.inf, -1)
+            values, labels = torch.cat([old_v, values], 1), torch.cat([old_l, labels], 1)
+        v, lab = top_columns(values, self.k, self.backend, labels)
         if rows is None:
             self.values, self.labels = v, lab
         else:

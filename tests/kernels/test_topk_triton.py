@@ -49,3 +49,21 @@ def test_strided_rows_and_bad_k():
         top_columns_triton(torch.randn(2, MAX_K + 10, device=DEVICE), MAX_K + 1)
     with pytest.raises(ValueError, match="top_columns_triton takes"):
         top_columns_triton(torch.randn(MAX_ROWS + 1, 10, device=DEVICE), 3)
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 40, 7), (3, 2500, 100), (2, 300, 64)])
+def test_labels_equal_the_torch_path(m, n, k):
+    """With labels: entries of a negative label count as -inf and the winners' labels come out (-1 for -inf), as
+    ``tqindex.topk.top_columns``'s torch path gives them; labels of any stride (a row broadcast)."""
+    from tqindex.kernels.topk_triton import top_columns_triton
+    from tqindex.topk import top_columns
+
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(m, n, generator=g).to(DEVICE)
+    labels = torch.randint(-1, 1000, (m, n), generator=g).to(DEVICE)
+    labels[0, : n - k // 2] = -1  # row 0: fewer than k entries left
+    for lab in (labels, labels[:1].expand(m, n)):
+        v, got = top_columns_triton(x, k, lab)
+        rv, ref = top_columns(x, k, "torch", lab)
+        assert torch.equal(v, rv) and torch.equal(got, ref)
+        assert (got[0, k // 2 + 1 :] == -1).all() and (v[0, k // 2 + 1 :] == float("-inf")).all()

@@ -37,12 +37,14 @@ LOWEST = tl.constexpr(-(2**63))
 
 
 @triton.jit
-def _top_keys_kernel(X, n, x_stride, col_stride, piece, OUT_K, out_stride, OUT_V, OUT_I, k,
-                     KEYS: tl.constexpr, LAST: tl.constexpr, BLOCK: tl.constexpr, K: tl.constexpr):
+def _top_keys_kernel(X, n, x_stride, col_stride, LABELS, l_stride, l_col_stride, piece, OUT_K, out_stride, OUT_V,
+                     OUT_I, k, KEYS: tl.constexpr, LAST: tl.constexpr, HAS_LABELS: tl.constexpr, BLOCK: tl.constexpr,
+                     K: tl.constexpr):
     """Program (row, piece): the K best keys of entries [piece * p, piece * (p + 1)) of row X[row] (< n) -> OUT_K
     [rows, pieces * K] at p * K (best first); KEYS: X holds a previous round's int64 keys, else float32 values
-    (no NaN) at column stride ``col_stride``. LAST (one piece): the k best as values OUT_V float32 and columns
-    OUT_I int64 [rows, k] instead."""
+    (no NaN) at column stride ``col_stride``, taken as -inf where HAS_LABELS and their int64 label
+    (LABELS[row * l_stride + column * l_col_stride]) is negative. LAST (one piece): the k best as values OUT_V
+    float32 and columns OUT_I int64 [rows, k] instead (HAS_LABELS: their labels, -1 for -inf)."""
     row = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
     c = p * piece + tl.arange(0, BLOCK)
@@ -50,8 +52,11 @@ def _top_keys_kernel(X, n, x_stride, col_stride, piece, OUT_K, out_stride, OUT_V
     if KEYS:
         key = tl.load(X + row * x_stride + c, mask=inside, other=LOWEST)
     else:
-        bits = tl.load(X + row * x_stride + c.to(tl.int64) * col_stride, mask=inside, other=0.0).to(tl.int32,
-                                                                                                    bitcast=True)
+        x = tl.load(X + row * x_stride + c.to(tl.int64) * col_stride, mask=inside, other=0.0)
+        if HAS_LABELS:
+            label = tl.load(LABELS + row * l_stride + c.to(tl.int64) * l_col_stride, mask=inside, other=-1)
+            x = tl.where(label < 0, float("-inf"), x)
+        bits = x.to(tl.int32, bitcast=True)
         order = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
         key = tl.where(inside, (order << 32) | (2147483647 - c).to(tl.int64), LOWEST)
     top = tl.topk(key, K)
@@ -59,8 +64,12 @@ def _top_keys_kernel(X, n, x_stride, col_stride, piece, OUT_K, out_stride, OUT_V
     if LAST:
         order = (top >> 32).to(tl.int32)
         values = (order ^ ((order >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+        col = (2147483647 - top.to(tl.int32)).to(tl.int64)
+        if HAS_LABELS:
+            label = tl.load(LABELS + row * l_stride + col * l_col_stride, mask=slot < k, other=-1)
+            col = tl.where(values == float("-inf"), -1, label)
         tl.store(OUT_V + row * k + slot, values, mask=slot < k)
-        tl.store(OUT_I + row * k + slot, (2147483647 - top.to(tl.int32)).to(tl.int64), mask=slot < k)
+        tl.store(OUT_I + row * k + slot, col, mask=slot < k)
     else:
         tl.store(OUT_K + row * out_stride + p * K + slot, top)
 
@@ -70,10 +79,12 @@ def fits(x: Tensor, k: int) -> bool:
     return x.dim() == 2 and x.shape[0] <= MAX_ROWS and 1 <= k <= min(MAX_K, x.shape[1])
 
 
-def top_columns_triton(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
+def top_columns_triton(x: Tensor, k: int, labels: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The k largest entries of each row of x float32 [m, n] (any strides; m <= MAX_ROWS, 1 <= k <= min(n, MAX_K),
     no NaN), best first, of equal values the earlier column first -> (values float32 [m, k], columns int64
-    [m, k]); ``torch.topk(x, k, dim=1)`` is the reference (module notes)."""
+    [m, k]); ``torch.topk(x, k, dim=1)`` is the reference (module notes). With ``labels`` int64 [m, n] (any
+    strides): entries of a negative label count as -inf, and their labels come out instead of the columns, -1
+    for -inf."""
     if not fits(x, k):
         raise ValueError(f"top_columns_triton takes at most {MAX_ROWS} rows and 1 <= k <= min(n, {MAX_K}), got k = "
                          f"{k} of {tuple(x.shape)}")
@@ -91,9 +102,11 @@ def top_columns_triton(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
         last = pieces == 1
         block = max(next_power_of_2(width), kp) if last else piece
         out = values if last else torch.empty(m, pieces * kp, dtype=torch.int64, device=x.device)
-        _top_keys_kernel[(m, pieces)](src, width, src.stride(0), 1 if keys else src.stride(1), block, out,
-                                      out.stride(0), values, columns, k, KEYS=keys, LAST=last, BLOCK=block, K=kp,
-                                      num_warps=8 if block >= 4096 else 4)
+        _top_keys_kernel[(m, pieces)](src, width, src.stride(0), 1 if keys else src.stride(1),
+                                      columns if labels is None else labels, 0 if labels is None else labels.stride(0),
+                                      0 if labels is None else labels.stride(1), block, out, out.stride(0), values,
+                                      columns, k, KEYS=keys, LAST=last, HAS_LABELS=labels is not None, BLOCK=block,
+                                      K=kp, num_warps=8 if block >= 4096 else 4)
         if last:
             return values, columns
         src, keys, width = out, True, pieces * kp
