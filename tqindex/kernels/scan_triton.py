@@ -649,8 +649,8 @@ class TritonScorer(Scorer):
             return
         scores, rows_of, exact = self.candidates(codes, top.k, rows)
         if not exact:  # the best candidate_depth(k) of each query, re-scored
-            v, j = top_columns(scores, min(candidate_depth(top.k), scores.shape[1]), "triton")
-            scores, rows_of = self.rescore(rows, codes, torch.where(v > float("-inf"), rows_of.gather(1, j), -1))
+            best = top_columns(scores, min(candidate_depth(top.k), scores.shape[1]), "triton", rows_of)[1]
+            scores, rows_of = self.rescore(rows, codes, best)  # best: rows, -1 for none
         if isinstance(labels, int):  # rows_of: int64, -1 for none
             lab = torch.where(rows_of >= 0, rows_of + labels, -1) if labels else rows_of
         else:
