@@ -276,11 +276,11 @@ def _insert(vals, idx, score, rows, KT: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _flat_scan_kernel(CODES, NORM, n, row_bytes, QP, qw, nq, QSCALE, MAG, OUT_V, OUT_I, rows_per_split,
+def _flat_scan_kernel(CODES, NORM, n, row_bytes, QP, qw, nq, QSCALE, MAG, OUT_V, OUT_I, rows_per_split, tile_rows,
                       THR, thr_stride, COUNT, cap,
                       R0: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr, L2: tl.constexpr,
                       DECODE: tl.constexpr, KT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
-                      T0, T1, T2, T3, T4, T5, T6, T7, T8, T9, T10, T11, MODE: tl.constexpr, GROUP: tl.constexpr = 1):
+                      T0, T1, T2, T3, T4, T5, T6, T7, T8, T9, T10, T11, MODE: tl.constexpr):
     """Program (query block, row split) over rows [split * rows_per_split, ...) for BLOCK_Q queries.
 
     MODE 0 (top-k): the top-KT rows of each query, written to OUT_V / OUT_I [splits, KT, nq].
@@ -288,8 +288,8 @@ def _flat_scan_kernel(CODES, NORM, n, row_bytes, QP, qw, nq, QSCALE, MAG, OUT_V,
     count COUNT[q] (atomic, one per query column and round: a tile's hits leave one per column per round;
     rows past ``cap`` are counted, not written).
     MODE 2: only each query's maximum (to time the scan alone).
-    MODE 3 (tile maxima): each tile of GROUP * BLOCK_N rows' maximum per query, OUT_V [tiles, nq] (tile = first
-    row / (GROUP * BLOCK_N); rows_per_split is a multiple of GROUP * BLOCK_N)."""
+    MODE 3 (tile maxima): each tile of ``tile_rows`` rows' maximum per query, OUT_V [tiles, nq] (tile = first row /
+    tile_rows; tile_rows a multiple of BLOCK_N and a divisor of rows_per_split; other modes: rows_per_split)."""
     qb, sp = tl.program_id(0), tl.program_id(1)
     qcols = qb * BLOCK_Q + tl.arange(0, BLOCK_Q)
     qmask = qcols < nq
@@ -300,37 +300,37 @@ def _flat_scan_kernel(CODES, NORM, n, row_bytes, QP, qw, nq, QSCALE, MAG, OUT_V,
     T = (T0, T1, T2, T3, T4, T5, T6, T7, T8, T9, T10, T11)
     if MODE == 1:
         thr = tl.load(THR + qcols * thr_stride, mask=qmask, other=float("inf"))
-    tmax = tl.full((BLOCK_Q,), float("-inf"), tl.float32)
-    for r0 in range(start, stop, BLOCK_N):
-        rows = r0 + tl.arange(0, BLOCK_N)
-        rows = tl.where(rows < stop, rows, n)  # past this split: masked like rows past the end
-        score = _tile_scores(rows, n, CODES, NORM, row_bytes, QP, qw, qcols, qmask, QSCALE, MAG,
-                             R0, R1, R2, L2, DECODE, BLOCK_N, BLOCK_Q, T)
-        if MODE == 0:
-            vals, idx = _insert(vals, idx, score, rows, KT, BLOCK_N)
-        elif MODE == 1:
-            # any hit in the tile (masked rows score -inf, thresholds are finite)
-            if tl.max(tl.max(tl.where(qmask[None, :], score - thr[None, :], float("-inf")), axis=0), axis=0) >= 0:
-                hit = (score >= thr[None, :]) & qmask[None, :]
-                left = tl.where(hit, score, float("-inf"))  # hits leave one per column per round
-                best = tl.max(left, axis=0)
-                while tl.max(best, axis=0) > float("-inf"):
-                    take = best > float("-inf")
-                    at_row = tl.argmax(left, axis=0)
-                    slot = tl.atomic_add(COUNT + qcols, 1, mask=take)
-                    ok = take & (slot < cap)
-                    at = qcols.to(tl.int64) * cap + slot
-                    tl.store(OUT_V + at, best, mask=ok)
-                    tl.store(OUT_I + at, r0 + at_row, mask=ok)
-                    left = tl.where(tl.arange(0, BLOCK_N)[:, None] == at_row[None, :], float("-inf"), left)
+    for t0 in range(start, stop, tile_rows):
+        tmax = tl.full((BLOCK_Q,), float("-inf"), tl.float32)
+        for r0 in range(t0, tl.minimum(t0 + tile_rows, stop), BLOCK_N):  # a tile's blocks (pipelined loads)
+            rows = r0 + tl.arange(0, BLOCK_N)
+            rows = tl.where(rows < stop, rows, n)  # past this split: masked like rows past the end
+            score = _tile_scores(rows, n, CODES, NORM, row_bytes, QP, qw, qcols, qmask, QSCALE, MAG,
+                                 R0, R1, R2, L2, DECODE, BLOCK_N, BLOCK_Q, T)
+            if MODE == 0:
+                vals, idx = _insert(vals, idx, score, rows, KT, BLOCK_N)
+            elif MODE == 1:
+                # any hit in the tile (masked rows score -inf, thresholds are finite)
+                if tl.max(tl.max(tl.where(qmask[None, :], score - thr[None, :], float("-inf")), axis=0), axis=0) >= 0:
+                    hit = (score >= thr[None, :]) & qmask[None, :]
+                    left = tl.where(hit, score, float("-inf"))  # hits leave one per column per round
                     best = tl.max(left, axis=0)
-        elif MODE == 2:
-            vals = tl.maximum(vals, tl.max(score, axis=0)[None, :])
-        else:
-            tmax = tl.maximum(tmax, tl.max(score, axis=0))
-            if ((r0 - start) // BLOCK_N % GROUP == GROUP - 1) | (r0 + BLOCK_N >= stop):  # its tile's last block
-                tl.store(OUT_V + (r0 // (BLOCK_N * GROUP)) * nq + qcols, tmax, mask=qmask)
-                tmax = tl.full((BLOCK_Q,), float("-inf"), tl.float32)
+                    while tl.max(best, axis=0) > float("-inf"):
+                        take = best > float("-inf")
+                        at_row = tl.argmax(left, axis=0)
+                        slot = tl.atomic_add(COUNT + qcols, 1, mask=take)
+                        ok = take & (slot < cap)
+                        at = qcols.to(tl.int64) * cap + slot
+                        tl.store(OUT_V + at, best, mask=ok)
+                        tl.store(OUT_I + at, r0 + at_row, mask=ok)
+                        left = tl.where(tl.arange(0, BLOCK_N)[:, None] == at_row[None, :], float("-inf"), left)
+                        best = tl.max(left, axis=0)
+            elif MODE == 2:
+                vals = tl.maximum(vals, tl.max(score, axis=0)[None, :])
+            else:
+                tmax = tl.maximum(tmax, tl.max(score, axis=0))
+        if MODE == 3:
+            tl.store(OUT_V + (t0 // tile_rows) * nq + qcols, tmax, mask=qmask)
     if MODE == 0 or MODE == 2:
         out = sp * KT * nq + tl.arange(0, KT)[:, None] * nq + qcols[None, :]
         tl.store(OUT_V + out, vals, mask=qmask[None, :])
@@ -602,9 +602,10 @@ class TritonScorer(Scorer):
         qdata, norm = codes.qdata.contiguous(), codes.norm.contiguous()
         _flat_scan_kernel[(q_blocks, splits)](
             qdata, norm, n, qdata.shape[1], qp, qp.shape[1], m, qscale, self.mags, out_v, out_i, per_split,
+            span if mode == MODE_TILE_MAX else per_split,
             qscale if threshold is None else threshold, 1 if threshold is None else threshold.stride(0),
             qscale if count is None else count, cap or 0, KT=kt, **common,
-            **{f"T{i}": self.tables[i] for i in range(12)}, MODE=mode, GROUP=span // block_n)
+            **{f"T{i}": self.tables[i] for i in range(12)}, MODE=mode)
         if mode == MODE_FILTER:
             return out_v, out_i, count > cap
         if mode == MODE_TILE_MAX:
