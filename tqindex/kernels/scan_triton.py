@@ -521,7 +521,8 @@ TILE_ROWS = 128
 where the rows re-scored per query (candidate_depth(k) tiles) are at most 1 / BATCH_TILE_SHARE of the rows:
 on an H200 (10M x 128 tq4, 4096 queries) the search took 84.6 ms at k = 10 and 96.5 at k = 100 instead of
 114.6 and 150.6 by the sampled bound and filtering scan (tiles of 256 rows: 85.6 and 109.1; of 64: 89.5 and
-95.6). At 390k x 50 (re-scored rows 1 / 47 of the index at k = 10) the tiles lost: 8.1 ms instead of 6.4."""
+95.6); with a tile's blocks as the inner loop (the store after it) 80.2 and 91.7 ms. At 390k x 50 (re-scored rows
+1 / 47 of the index at k = 10) the tiles lost: 8.1 ms instead of 6.4."""
 BATCH_TILE_SHARE = 128
 SAMPLE_FRACTION = 8
 """A flat scan first scans one row in this many (at least SAMPLE_TILES tiles per candidate kept) and
