@@ -130,14 +130,14 @@ def unit_rows(t: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def check_norms(norms: Tensor, low: float, high: float, name: str, holder: str, remedy: str,
-                rows: Tensor | None = None) -> None:
+                vectors: Tensor | None = None) -> None:
     """ValueError naming the rows whose nonzero norm (float32 [n]) is outside [low, high]: ``holder`` is
     what cannot hold them, ``remedy`` what the caller can do. A row with NaN or infinite values has a NaN or
-    infinite norm: given the ``rows`` themselves, those are reported as such (:func:`check_finite`)."""
+    infinite norm: given the ``vectors`` themselves, those are reported as such (:func:`check_finite`)."""
     bad = (norms.clamp(low, high) != norms) & (norms != 0)  # NaN too (few kernels: searches validate queries)
     if any_true(bad):
-        if rows is not None:
-            check_finite(rows, name)
+        if vectors is not None:
+            check_finite(vectors, name)
         rows = torch.nonzero(bad).squeeze(1)
         shown = ", ".join(f"{int(r)} ({float(norms[r]):.3g})" for r in rows[:5])
         raise ValueError(f"{name} has {len(rows)} vectors with norms outside [{low:.3g}, {high:.3g}], the range "

@@ -48,7 +48,7 @@ def make_topk(nq: int, k: int, device: torch.device, backend: str | None = None)
 def top_columns(x: Tensor, k: int, backend: str | None = None, labels: Tensor | None = None
                 ) -> tuple[Tensor, Tensor]:
     """The k largest entries of each row of x float32 [m, n] (k <= n, no NaN), best first -> (values [m, k],
-    columns int64 [m, k]). With ``labels`` int64 [m, n]: entries of a negative label count as -inf, and their
+    columns int64 [m, k]). With integer ``labels`` [m, n]: entries of a negative label count as -inf, and their
     labels come out instead of the columns, -1 for -inf. ``torch.topk``, or for a few rows the Triton kernel
     where ``kernels.select`` picks Triton (``kernels/topk_triton.py``)."""
     if kernels.select(x, backend, ("triton",), "a top-k") == "triton":

@@ -3,8 +3,9 @@
 Each entry becomes one int64 key: the float's order-preserving int32 image (negative floats' magnitude bits
 flipped) in the high half, ``2^31 - 1 - column`` in the low half, so keys order as (value, earlier column) and
 carry their column. A program takes a piece of PIECE keys of one row and keeps its K best (``tl.topk``, a
-bitonic network in registers; K = k rounded up to a power of two, at least 2); the pieces' bests form a row of keys that
-the next round treats the same way, until one piece is left, whose k best are written as values and columns.
+bitonic network in registers; K = k rounded up to a power of two, at least 2); the pieces' bests form a row of
+keys that the next round treats the same way, until one piece is left, whose k best are written as values and
+columns.
 
 ``torch.topk`` on a CUDA row costs 40-55 µs whatever k is (a radix selection of several passes); the searches
 of a few queries make one to three such calls. On an H200 (CUDA graphs, launches included) one row of 39,063
@@ -42,7 +43,7 @@ def _top_keys_kernel(X, n, x_stride, col_stride, LABELS, l_stride, l_col_stride,
                      K: tl.constexpr):
     """Program (row, piece): the K best keys of entries [piece * p, piece * (p + 1)) of row X[row] (< n) -> OUT_K
     [rows, pieces * K] at p * K (best first); KEYS: X holds a previous round's int64 keys, else float32 values
-    (no NaN) at column stride ``col_stride``, taken as -inf where HAS_LABELS and their int64 label
+    (no NaN) at column stride ``col_stride``, taken as -inf where HAS_LABELS and their integer label
     (LABELS[row * l_stride + column * l_col_stride]) is negative. LAST (one piece): the k best as values OUT_V
     float32 and columns OUT_I int64 [rows, k] instead (HAS_LABELS: their labels, -1 for -inf)."""
     row = tl.program_id(0).to(tl.int64)
@@ -82,7 +83,7 @@ def fits(x: Tensor, k: int) -> bool:
 def top_columns_triton(x: Tensor, k: int, labels: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The k largest entries of each row of x float32 [m, n] (any strides; m <= MAX_ROWS, 1 <= k <= min(n, MAX_K),
     no NaN), best first, of equal values the earlier column first -> (values float32 [m, k], columns int64
-    [m, k]); ``torch.topk(x, k, dim=1)`` is the reference (module notes). With ``labels`` int64 [m, n] (any
+    [m, k]); ``torch.topk(x, k, dim=1)`` is the reference (module notes). With integer ``labels`` [m, n] (any
     strides): entries of a negative label count as -inf, and their labels come out instead of the columns, -1
     for -inf."""
     if not fits(x, k):
