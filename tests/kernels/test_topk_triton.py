@@ -8,8 +8,8 @@ from devices import DEVICE, needs_triton
 pytestmark = needs_triton
 
 
-@pytest.mark.parametrize("m, n, k", [(1, 1, 1), (3, 127, 10), (2, 129, 32), (1, 4097, 17), (1, 8192, 32),
-                                     (1, 8193, 5), (2, 2500, 100), (1, 9000, 128), (1, 3000, 256), (16, 300, 64)])
+@pytest.mark.parametrize("m, n, k", [(1, 1, 1), (3, 127, 10), (2, 129, 32), (1, 8192, 17), (1, 8193, 5),
+                                     (2, 2500, 100), (1, 4500, 256), (16, 300, 64)])
 def test_top_columns_equal_torch_topk(m, n, k):
     """Values equal torch.topk's; columns hold those values and are distinct; ties (repeated values, -inf, +-0)
     come earlier column first (across pieces and rounds too, never a padding column)."""
@@ -51,7 +51,7 @@ def test_strided_rows_and_bad_k():
         top_columns_triton(torch.randn(MAX_ROWS + 1, 10, device=DEVICE), 3)
 
 
-@pytest.mark.parametrize("m, n, k", [(1, 40, 7), (3, 2500, 100), (2, 300, 64)])
+@pytest.mark.parametrize("m, n, k", [(1, 40, 7), (2, 1500, 100), (2, 300, 64)])
 def test_labels_equal_the_torch_path(m, n, k):
     """With labels: entries of a negative label count as -inf and the winners' labels come out (-1 for -inf), as
     ``tqindex.topk.top_columns``'s torch path gives them; labels of any stride (a row broadcast)."""
