@@ -512,10 +512,10 @@ TILE_QUERIES = 16
 """Up to this many queries, when the rows re-scored (queries x kept tiles x tile rows) are at most as many as the
 sampled bound below scans, a flat scan keeps only each tile's maximum per query: a query's
 candidate_depth(k) best rows lie in its that many best tiles (no other tile holds a row above the least of
-their maxima), whose rows are then scored exactly. Beyond, the sampled bound and filtering scan below. On an
-H200 (10M x 128 tq4, graph replays) 16 queries took 0.98 ms instead of 1.20 at k = 10 and 1.10 instead of
-1.22 at k = 100; at 390k x 50, where their rows re-scored would exceed the sample, 0.32 and 0.46 ms instead of
-0.30 and 0.32."""
+their maxima), whose rows are then scored exactly; elsewhere the sampled bound and filtering scan below (beyond
+this many queries: TILE_ROWS). On an H200 (10M x 128 tq4, graph replays) 16 queries took 0.98 ms instead of 1.20
+at k = 10 and 1.10 instead of 1.22 at k = 100; at 390k x 50, where their rows re-scored would exceed the sample,
+0.32 and 0.46 ms instead of 0.30 and 0.32."""
 TILE_ROWS = 128
 """Beyond TILE_QUERIES queries, tiles of this many rows (groups of the kernel's row blocks) keep their maxima
 where the rows re-scored per query (candidate_depth(k) tiles) are at most 1 / BATCH_TILE_SHARE of the rows:
