@@ -71,7 +71,7 @@ def test_overflowing_filter_searches_again():
         D, I = index.search(q, 10)
         assert_same((D, I), first)
     key = ((2, 64), torch.float32, 10)
-    assert recorded(index) == [key] and index._graphs._graphs[key].check is not None
+    assert recorded(index) == [key] and index._graphs._graphs[key].checks
 
 
 @pytest.mark.parametrize("kind", ["keep_vectors", "ivf"])

@@ -12,9 +12,13 @@ hold their own buffers (at most ``limit`` shapes, the least recently used droppe
 one at a time, so concurrent searches stay correct. A search that cannot be recorded (it needs the host
 to read device values, as an IVF probe plan does) is remembered and always runs eagerly.
 
-A step that must look at device values only in rare cases (a filtering scan whose candidates overflowed)
-calls :func:`any_true`: while a graph is recorded it returns False and the flag is checked after every
-replay instead; where it is set, that search runs again without the graph.
+A step that must look at device values only in rare cases (a query that fails validation, a filtering scan
+whose candidates overflowed) calls :func:`any_true`: while a graph is recorded it returns False and the flag
+is checked after every replay instead; where it is set, that search runs again without the graph. The checks
+of a graph are folded into one flag as they come, and an external event recorded in the graph right after the
+last of them (torch >= 2.8) marks where the host can read it: a replay returns as soon as that part of the
+graph has run (a search's validation comes first), so the host prepares the next search while the GPU scans,
+as for any other asynchronous torch operation.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, NamedTuple
 
 import torch
 from torch import Tensor
@@ -46,8 +50,30 @@ def any_true(flag: Tensor) -> bool:
     checks = getattr(_recording, "checks", None)
     if checks is None:
         return bool(flag.any())
-    checks.append(flag.any())
+    seen = flag.any()
+    if checks:
+        seen |= checks[-1].flag
+    checks.append(_Check(seen, _external_event()))
     return False
+
+
+class _Check(NamedTuple):
+    """The deferred checks of a graph so far, folded into ``flag`` (bool, 0-dim), and the event recorded right
+    after it in the graph (None where torch cannot record one there)."""
+
+    flag: Tensor
+    ready: torch.cuda.Event | None
+
+
+def _external_event() -> torch.cuda.Event | None:
+    """An event recorded here as a node of the graph being captured (the host can wait for that node of a
+    replay), or None where torch cannot (before 2.8)."""
+    try:
+        event = torch.cuda.Event(external=True)
+    except TypeError:
+        return None
+    event.record()
+    return event
 
 
 @dataclass
@@ -57,18 +83,29 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     q: Tensor
     out: tuple[Tensor, ...]
-    check: Tensor | None
+    checks: tuple[_Check, ...]  # the last folds them all; the graph records every one's event
     done: torch.cuda.Event = field(default_factory=torch.cuda.Event)
+    reader: torch.cuda.Stream | None = None
 
     def replay(self, q: Tensor) -> tuple[tuple[Tensor, ...], bool]:
-        """Replay on queries q -> (copies of the outputs, whether a deferred check fired: search again)."""
+        """Replay on queries q -> (copies of the outputs, whether a deferred check fired: search again). With
+        the checks' event it returns once the checks have run (the rest of the graph may still be running)."""
         with torch.cuda.device(self.q.device):
             torch.cuda.current_stream().wait_event(self.done)  # the previous replay's outputs were copied
             self.q.copy_(q)
             self.graph.replay()
             out = tuple(t.clone() for t in self.out)
             self.done.record()
-        return out, self.check is not None and bool(self.check)
+            if not self.checks:
+                return out, False
+            check = self.checks[-1]
+            if check.ready is None:
+                return out, bool(check.flag)
+            check.ready.synchronize()
+            if self.reader is None:
+                self.reader = torch.cuda.Stream()
+            with torch.cuda.stream(self.reader):  # the flag is final: read it past the rest of the graph
+                return out, bool(check.flag)
 
 
 class SearchGraphs:
@@ -124,12 +161,10 @@ def _record(search: Callable[[Tensor], tuple[Tensor, ...]], q: Tensor) -> _Graph
     with torch.cuda.stream(side):
         search(static)  # warm-up on the recording stream, as CUDA graphs require
         side.synchronize()
-        _recording.checks = []
+        _recording.checks = checks = []  # held past capture_end: the capture refers to their events
         graph.capture_begin(capture_error_mode="thread_local")
         try:
             out = search(static)
-            checks = _recording.checks
-            check = None if not checks else checks[0] if len(checks) == 1 else torch.stack(checks).any()
         except RuntimeError:  # a host read of device values inside the search
             recorded = False
         finally:
@@ -139,4 +174,4 @@ def _record(search: Callable[[Tensor], tuple[Tensor, ...]], q: Tensor) -> _Graph
             except RuntimeError:  # the capture was invalidated
                 recorded = False
     torch.cuda.current_stream(q.device).wait_stream(side)
-    return _Graph(graph, static, out, check) if recorded else _EAGER
+    return _Graph(graph, static, out, tuple(checks)) if recorded else _EAGER

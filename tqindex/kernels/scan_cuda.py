@@ -32,8 +32,9 @@ H200 over 10M x 128 codes 1, 2, 4, 8, 16 queries took 0.21, 0.23, 0.27, 0.36, 0.
 0.43, 0.60, 0.60, 0.60, 0.57 ms."""
 SOURCE = Path(__file__).parent / "csrc" / "scan_tiles.cu"
 _DECLARATION = """
-void tile_max_launch(int64_t codes, int64_t norm, int64_t q, int64_t qscale, int64_t m, int64_t n, int64_t row_bytes,
-                     bool l2, const std::vector<int64_t>& tab, double lscale, int64_t out, int64_t stream);
+void tile_max_launch(int64_t codes, int64_t norm, int64_t q, int64_t qstride, int64_t half, int64_t qscale, int64_t m,
+                     int64_t n, int64_t row_bytes, bool l2, const std::vector<int64_t>& tab, double lscale, int64_t out,
+                     int64_t stream);
 """
 
 
@@ -194,12 +195,12 @@ def tile_maxima(codes: Codes, qp: Tensor, layout: RunLayout, qscale: Tensor, lv:
     run ``layout`` (queries doubled for l2, as every scorer takes them), qscale float32 [m] their scales; ``lv``:
     the run's :func:`int8_levels`; l2: minus each row's squared norm (``q.x - |x|^2``)."""
     qdata, norm = codes.qdata.contiguous(), codes.norm.contiguous()
-    queries, qscale = coordinate_order(qp, layout).float().contiguous(), qscale.contiguous()
-    n, m = qdata.shape[0], queries.shape[0]
+    qp, qscale = qp.float().contiguous(), qscale.contiguous()  # read in coordinate order by the kernel
+    n, m = qdata.shape[0], qp.shape[0]
     out = torch.empty(cdiv(n, TILE), m, device=qdata.device)
     if n:
         with torch.cuda.device(qdata.device):
-            _module().tile_max_launch(qdata.data_ptr(), norm.data_ptr(), queries.data_ptr(), qscale.data_ptr(), m, n,
-                                      qdata.shape[1], l2, lv.words, lv.scale, out.data_ptr(),
+            _module().tile_max_launch(qdata.data_ptr(), norm.data_ptr(), qp.data_ptr(), qp.shape[1], layout.padded,
+                                      qscale.data_ptr(), m, n, qdata.shape[1], l2, lv.words, lv.scale, out.data_ptr(),
                                       torch.cuda.current_stream(qdata.device).cuda_stream)
     return out.T

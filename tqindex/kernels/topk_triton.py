@@ -10,7 +10,7 @@ columns.
 ``torch.topk`` on a CUDA row costs 40-55 µs whatever k is (a radix selection of several passes); the searches
 of a few queries make one to three such calls. On an H200 (CUDA graphs, launches included) one row of 39,063
 tile maxima took 12.7 µs for k = 32 (``torch.topk`` 46.8) and 26.5 µs for k = 128 (54.4), 16 such rows 29 and
-51 µs (69 and 71), one row of 8,192 scores 5.1 µs for k = 10 (38.3). For many rows ``torch.topk`` is faster
+51 µs (69 and 71), one row of 8,192 scores 6.4 µs for k = 10 (20.6 as a single piece of 8,192). For many rows ``torch.topk`` is faster
 (256 rows of 39,063: 187 µs against 270), so :func:`fits` takes at most MAX_ROWS rows. The reference is
 ``torch.topk(x, k, dim=1)``.
 """
@@ -29,10 +29,7 @@ MAX_ROWS = 16
 MAX_K = 256
 """Largest k it takes."""
 PIECE = 1024
-"""Keys per program in a round of several pieces."""
-ONE_PIECE = 8192
-"""Rows of up to this many entries are taken in one round when K <= ONE_PIECE_K."""
-ONE_PIECE_K = 32
+"""Keys per program in a round of several pieces (fewer, larger pieces wait on one long bitonic network)."""
 LOWEST = tl.constexpr(-(2**63))
 """The key of places past the row's end: below every entry's key."""
 
@@ -97,7 +94,7 @@ def top_columns_triton(x: Tensor, k: int, labels: Tensor | None = None) -> tuple
     if not m:
         return values, columns
     src, keys, width = x, False, n
-    piece = ONE_PIECE if kp <= ONE_PIECE_K and n <= ONE_PIECE else max(PIECE, 2 * kp)
+    piece = max(PIECE, 2 * kp)
     while True:
         pieces = cdiv(width, piece)
         last = pieces == 1

@@ -42,10 +42,18 @@ constexpr int WARPS = TILE / 32;
 
 __device__ __forceinline__ int dp4a(uint32_t a, uint32_t b, int c) { return __dp4a(int(a), int(b), c); }
 
-// The block's largest |x| over n floats (every thread gets it; red: WARPS floats of shared memory).
-__device__ float block_absmax(const float* x, int n, float* red) {
+// The queries as the Triton scan lays them out (planar): coordinate 2g + h of query j at q[j * stride + h * half + g].
+struct Planar {
+  const float* q;
+  int stride, half;
+  __device__ float at(int j, int i) const { return q[(int64_t)j * stride + (i & 1) * half + (i >> 1)]; }
+};
+
+// The block's largest |coordinate| of query j over dim coordinates (every thread gets it; red: WARPS floats of
+// shared memory).
+__device__ float block_absmax(Planar q, int j, int dim, float* red) {
   float mx = 0.f;
-  for (int i = threadIdx.x; i < n; i += TILE) mx = fmaxf(mx, fabsf(x[i]));
+  for (int i = threadIdx.x; i < dim; i += TILE) mx = fmaxf(mx, fabsf(q.at(j, i)));
   for (int off = 16; off; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
   if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = mx;
   __syncthreads();
@@ -55,15 +63,16 @@ __device__ float block_absmax(const float* x, int n, float* red) {
   return mx;
 }
 
-// Rounds the m queries q (float32 [m, dim]) to int8 on the scale 127 / each one's largest magnitude: q8 [nq][dim]
-// (zero past m) and sc [nq], the query's scale times both int8 scales, in shared memory (red: WARPS floats).
-__device__ void int8_queries(const float* q, const float* qscale, int m, int nq, int dim, float lscale, int8_t* q8,
+// Rounds the m queries q (dim coordinates each) to int8 on the scale 127 / each one's largest magnitude: q8
+// [nq][dim] in coordinate order (zero past m) and sc [nq], the query's scale times both int8 scales, in shared
+// memory (red: WARPS floats).
+__device__ void int8_queries(Planar q, const float* qscale, int m, int nq, int dim, float lscale, int8_t* q8,
                              float* sc, float* red) {
   for (int j = 0; j < nq; ++j) {
-    const float mx = j < m ? block_absmax(q + (int64_t)j * dim, dim, red) : 0.f;
+    const float mx = j < m ? block_absmax(q, j, dim, red) : 0.f;
     const float to8 = mx > 0.f ? 127.f / mx : 0.f;
     for (int i = threadIdx.x; i < dim; i += TILE)
-      q8[j * dim + i] = j < m ? int8_t(__float2int_rn(q[(int64_t)j * dim + i] * to8)) : int8_t(0);
+      q8[j * dim + i] = j < m ? int8_t(__float2int_rn(q.at(j, i) * to8)) : int8_t(0);
     if (threadIdx.x == 0) sc[j] = j < m ? qscale[j] * lscale * mx / 127.f : 0.f;
   }
   __syncthreads();
@@ -81,7 +90,7 @@ __device__ __forceinline__ void write_tile(const float* red, int nq, int m, int6
 // 1-4 queries: one row per thread (below).
 template <int NQ, bool L2>
 __global__ void __launch_bounds__(TILE) rows_kernel(const uint8_t* __restrict__ codes, const __half* __restrict__ norm,
-                                                    const float* __restrict__ q, const float* __restrict__ qscale,
+                                                    Planar q, const float* __restrict__ qscale,
                                                     int m, int64_t n, int row_bytes, int64_t tiles, uint4 tab,
                                                     float lscale, float* __restrict__ out) {
   extern __shared__ uint4 smem[];
@@ -157,7 +166,7 @@ __device__ __forceinline__ void mma_s8(int (&d)[4], uint32_t a0, uint32_t a1, ui
 // when A and B share it. Rows of 32 mod 64 bytes end in half a piece, whose absent half is zero.
 template <int NT, bool L2>
 __global__ void __launch_bounds__(TILE) mma_kernel(const uint8_t* __restrict__ codes, const __half* __restrict__ norm,
-                                                   const float* __restrict__ q, const float* __restrict__ qscale,
+                                                   Planar q, const float* __restrict__ qscale,
                                                    int m, int64_t n, int row_bytes, int64_t tiles, uint4 tab,
                                                    float lscale, float* __restrict__ out) {
   constexpr int NQ = 8 * NT;
@@ -256,7 +265,7 @@ __global__ void __launch_bounds__(TILE) mma_kernel(const uint8_t* __restrict__ c
 
 // Launches kernel (rows_kernel or mma_kernel) for nq query slots on a grid of resident blocks.
 template <typename Kernel>
-void launch(Kernel kernel, int nq, const uint8_t* codes, const __half* norm, const float* q, const float* qscale, int m,
+void launch(Kernel kernel, int nq, const uint8_t* codes, const __half* norm, Planar q, const float* qscale, int m,
             int64_t n, int row_bytes, uint4 tab, float lscale, float* out, cudaStream_t stream) {
   const int smem = nq * row_bytes * 2 + WARPS * nq * 4 + nq * 4;
   if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -273,17 +282,19 @@ void launch(Kernel kernel, int nq, const uint8_t* codes, const __half* norm, con
 
 }  // namespace
 
-// Tile maxima out float32 [ceil(n / TILE), m] of m <= 16 queries q (float32 [m, row_bytes * 2], the coordinates in
-// order, scaled like the Triton scan's planar queries; qscale float32 [m]) over n code rows of row_bytes bytes
+// Tile maxima out float32 [ceil(n / TILE), m] of m <= 16 queries q (the Triton scan's planar float32 queries: row
+// stride qstride, coordinate 2g + h at h * half + g; qscale float32 [m]) over n code rows of row_bytes bytes
 // (a multiple of 32) with float16 norms; ``tab``: the four words of the run's int8 levels (negative codes 0-3,
 // 4-7, positive codes 8-11, 12-15), lscale their scale. 1-4 queries: rows_kernel, 5-16: mma_kernel. Pointers and
 // the stream as integers.
-void tile_max_launch(int64_t codes, int64_t norm, int64_t q, int64_t qscale, int64_t m, int64_t n, int64_t row_bytes,
-                     bool l2, const std::vector<int64_t>& tab, double lscale, int64_t out, int64_t stream) {
+void tile_max_launch(int64_t codes, int64_t norm, int64_t q, int64_t qstride, int64_t half, int64_t qscale, int64_t m,
+                     int64_t n, int64_t row_bytes, bool l2, const std::vector<int64_t>& tab, double lscale, int64_t out,
+                     int64_t stream) {
   const uint4 t = make_uint4((uint32_t)tab[0], (uint32_t)tab[1], (uint32_t)tab[2], (uint32_t)tab[3]);
   auto go = [&](auto kernel, int nq) {
     launch(kernel, nq, reinterpret_cast<const uint8_t*>(codes), reinterpret_cast<const __half*>(norm),
-           reinterpret_cast<const float*>(q), reinterpret_cast<const float*>(qscale), (int)m, n, (int)row_bytes, t,
+           Planar{reinterpret_cast<const float*>(q), (int)qstride, (int)half}, reinterpret_cast<const float*>(qscale),
+           (int)m, n, (int)row_bytes, t,
            (float)lscale, reinterpret_cast<float*>(out), reinterpret_cast<cudaStream_t>(stream));
   };
   if (m <= 1) l2 ? go(rows_kernel<1, true>, 1) : go(rows_kernel<1, false>, 1);
