@@ -29,6 +29,26 @@ def bench(fn: Callable[[], Any], budget_s: float = 1.0, min_runs: int = 5, max_r
     return float(np.median(times))
 
 
+def stream_time(fn: Callable[[], Any], budget_s: float = 1.0, min_runs: int = 5, max_runs: int = 100) -> float:
+    """Median milliseconds of ``fn()`` on the GPU when calls come back to back, as a caller's loop issues them:
+    two warm-up calls, then each call between CUDA events, issued without waiting for the previous one's end (as
+    many as fit in ``budget_s`` by the warm-up's time, at least ``min_runs``). Host work shows where the GPU waits
+    for it: where it exceeds the GPU's, and where ``fn`` itself waits for the device."""
+    start = time.perf_counter()
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    each = (time.perf_counter() - start) / 2
+    runs = int(min(max_runs, max(min_runs, budget_s / max(each, 1e-6))))
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(runs)]
+    for a, b in events:
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    return float(np.median([a.elapsed_time(b) for a, b in events]))
+
+
 def gpu_time(fn: Callable[[], Any], runs: int = 50) -> float:
     """Median milliseconds of ``fn()`` on the GPU alone: the call captured once as a CUDA graph, then replayed
     ``runs`` times, each replay between CUDA events with the L2 cache flushed before it (a 256 MiB write), so

@@ -8,8 +8,9 @@ Every number comes from one run on one GPU:
   10M x 128 and 1M x 1536, and where its time goes: the same encode with one pre-scale
   (``code_search=1``: no direction search) and with one pre-scale and no rotation;
 - flat search with 1, 16, 256 and 4096 queries, k = 10 and 100, over 10M random unit vectors of 128
-  dims and over GloVe-50 (400k words, 10k held out as queries; cosine): time per search (CUDA events,
-  median of repeated runs after warm-up: replays of the search's CUDA graph), the same without graphs
+  dims and over GloVe-50 (400k words, 10k held out as queries; cosine): time per search (CUDA events around
+  each of searches issued back to back, median after warm-up: replays of the search's CUDA graph, which return
+  once the graph's validation has run), the same without graphs
   (``cuda_graphs = 0``), QPS, achieved bandwidth on code bytes, R@1@10 against exact
   float32 search; beside it exact ``torch.topk(q @ x.T)`` in bf16 (query chunks of 1024), the scan
   alone (its top-k merge left out, so the fused top-k's cost shows; where the CUDA tile-maxima kernel scans,
@@ -36,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _env  # noqa: E402
 import _run  # noqa: E402
-from _gpu import bench, roofline  # noqa: E402
+from _gpu import roofline, stream_time  # noqa: E402
 
 import tqindex as tq  # noqa: E402
 
@@ -103,15 +104,15 @@ def measure_encode(results: _run.Results, device: torch.device, quick: bool) -> 
         for backend in ("triton", "torch"):
             if backend == "torch" and n * d > 2e8:
                 x_part = x[: n // 10]
-                ms = bench(lambda: enc.encode_valid(x_part, backend)) * 10
+                ms = stream_time(lambda: enc.encode_valid(x_part, backend)) * 10
             else:
-                ms = bench(lambda: enc.encode_valid(x, backend))
+                ms = stream_time(lambda: enc.encode_valid(x, backend))
             gbps = n * d * 4 / ms / 1e6
             row[backend] = {"ms": ms, "input_GBps": gbps, "roofline_fraction": gbps / 1000 / roof}
         for column, options in (("one_prescale_ms", {"code_search": 1}),
                                 ("one_prescale_no_rotation_ms", {"code_search": 1, "rotation": "none"})):
             part = tq.make_encoder("tq4", d, **options)
-            row[column] = bench(lambda: part.encode_valid(x, "triton"))
+            row[column] = stream_time(lambda: part.encode_valid(x, "triton"))
         results.data["encode"][key] = row
         results.save()
         print(f"{key}: triton {row['triton']['ms']:.2f} ms ({row['triton']['input_GBps']:.0f} GB/s, "
@@ -144,20 +145,20 @@ def measure_flat(results: _run.Results, name: str, x: torch.Tensor, q_all: torch
             key = f"nq={nq} k={k}"
             if key in section["rows"]:
                 continue
-            ms = bench(lambda: index.search(q, k))  # up to 256 queries: from the third search on, a graph's replay
+            ms = stream_time(lambda: index.search(q, k))  # from the third search on: graph replays
             _, I = index.search(q, k)
             limit, index.cuda_graphs = index.cuda_graphs, 0
-            eager_ms = bench(lambda: index.search(q, k))
+            eager_ms = stream_time(lambda: index.search(q, k))
             index.cuda_graphs = limit
             qb = q.bfloat16()
-            exact_ms = bench(lambda: exact_bf16(xb, qb, k))
+            exact_ms = stream_time(lambda: exact_bf16(xb, qb, k))
             _, Ie = exact_bf16(xb, qb, k)
             qs = index.encoder.rotate(q)
             scorer = TritonScorer(index.encoder, qs, False)
-            scan_ms = bench(lambda: scorer.scan(codes, k, mode=MODE_MAX))
-            fused_ms = bench(lambda: scorer.candidates(codes, k))
+            scan_ms = stream_time(lambda: scorer.scan(codes, k, mode=MODE_MAX))
+            fused_ms = stream_time(lambda: scorer.candidates(codes, k))
             triton = TritonScorer(index.encoder, qs, False, cuda=False)  # beside the CUDA tile maxima, where they run
-            triton_ms = bench(lambda: triton.scan(codes, k, mode=MODE_MAX)) if scorer._cuda_tiles(codes, nq) else None
+            triton_ms = stream_time(lambda: triton.scan(codes, k, mode=MODE_MAX)) if scorer._cuda_tiles(codes, nq) else None
             row = {"ms": ms, "eager_ms": eager_ms, "qps": nq / ms * 1e3, "code_TBps": code_bytes / ms / 1e9,
                    "exact_bf16_ms": exact_ms, "speedup_vs_exact_bf16": exact_ms / ms,
                    "scan_only_ms": scan_ms, "scan_topk_ms": fused_ms, "topk_overhead": fused_ms / scan_ms - 1,
@@ -231,7 +232,7 @@ def measure_ivf(results: _run.Results, x: torch.Tensor, q_all: torch.Tensor, qui
     torch.cuda.synchronize()
     rows = {}
     for nprobe in (4, 8, 16, 32, 64):
-        ms = bench(lambda: index.search(q_all, 10, nprobe=nprobe))
+        ms = stream_time(lambda: index.search(q_all, 10, nprobe=nprobe))
         _, I = index.search(q_all, 10, nprobe=nprobe)
         rows[str(nprobe)] = {"ms": ms, "qps": len(q_all) / ms * 1e3, "recall_1_at_10": recall_1_at(I, top1)}
         print(f"IVF nprobe={nprobe}: {rows[str(nprobe)]['qps']:.0f} QPS, R@1@10 {rows[str(nprobe)]['recall_1_at_10']:.3f}",
