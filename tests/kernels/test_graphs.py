@@ -2,6 +2,7 @@
 writes, redo searches whose deferred checks fire, fall back where a search cannot be recorded, and stay
 correct under concurrent searches. CUDA only."""
 
+import inspect
 import threading
 
 import pytest
@@ -44,6 +45,9 @@ def test_replay_equals_eager(metric):
         assert_same(index.search(q, 10), e)
     assert recorded(index) == [((5, 60), torch.float32, 10)]
     assert_same(index.search(queries[0], 10), expected[0])
+    checks = index._graphs._graphs[((5, 60), torch.float32, 10)].checks  # the queries' validation
+    external = "external" in inspect.signature(torch.cuda.Event.__new__).parameters  # torch >= 2.8
+    assert checks and all((c.ready is not None) == external for c in checks)  # replays return after the checks
 
 
 def test_graphs_follow_writes():

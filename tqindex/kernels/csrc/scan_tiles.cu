@@ -294,8 +294,8 @@ void tile_max_launch(int64_t codes, int64_t norm, int64_t q, int64_t qstride, in
   auto go = [&](auto kernel, int nq) {
     launch(kernel, nq, reinterpret_cast<const uint8_t*>(codes), reinterpret_cast<const __half*>(norm),
            Planar{reinterpret_cast<const float*>(q), (int)qstride, (int)half}, reinterpret_cast<const float*>(qscale),
-           (int)m, n, (int)row_bytes, t,
-           (float)lscale, reinterpret_cast<float*>(out), reinterpret_cast<cudaStream_t>(stream));
+           (int)m, n, (int)row_bytes, t, (float)lscale, reinterpret_cast<float*>(out),
+           reinterpret_cast<cudaStream_t>(stream));
   };
   if (m <= 1) l2 ? go(rows_kernel<1, true>, 1) : go(rows_kernel<1, false>, 1);
   else if (m <= 2) l2 ? go(rows_kernel<2, true>, 2) : go(rows_kernel<2, false>, 2);
