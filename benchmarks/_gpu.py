@@ -11,29 +11,13 @@ import triton
 import triton.language as tl
 
 
-def bench(fn: Callable[[], Any], budget_s: float = 1.0, min_runs: int = 5, max_runs: int = 100) -> float:
-    """Median milliseconds of ``fn()`` on the GPU: two warm-up calls, then CUDA-event-timed calls while
-    they fit in ``budget_s`` (at least ``min_runs``)."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < max_runs and (len(times) < min_runs or time.perf_counter() - start < budget_s):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return float(np.median(times))
-
-
-def stream_time(fn: Callable[[], Any], budget_s: float = 1.0, min_runs: int = 5, max_runs: int = 100) -> float:
-    """Median milliseconds of ``fn()`` on the GPU when calls come back to back, as a caller's loop issues them:
-    two warm-up calls, then each call between CUDA events, issued without waiting for the previous one's end (as
-    many as fit in ``budget_s`` by the warm-up's time, at least ``min_runs``). Host work shows where the GPU waits
-    for it: where it exceeds the GPU's, and where ``fn`` itself waits for the device."""
+def bench(fn: Callable[[], Any], budget_s: float = 1.0, min_runs: int = 5, max_runs: int = 100,
+          back_to_back: bool = False) -> float:
+    """Median milliseconds of ``fn()`` on the GPU: two warm-up calls, then as many calls as fit in ``budget_s`` by
+    the warm-up's time (at least ``min_runs``), each between CUDA events. Each call is timed alone (the next
+    waits for its end), or with ``back_to_back`` the calls are issued without waiting, as a caller's loop issues
+    them: host work then shows where the GPU waits for it (where it exceeds the GPU's, and where ``fn`` itself
+    waits for the device)."""
     start = time.perf_counter()
     for _ in range(2):
         fn()
@@ -45,6 +29,8 @@ def stream_time(fn: Callable[[], Any], budget_s: float = 1.0, min_runs: int = 5,
         a.record()
         fn()
         b.record()
+        if not back_to_back:
+            b.synchronize()
     torch.cuda.synchronize()
     return float(np.median([a.elapsed_time(b) for a, b in events]))
 

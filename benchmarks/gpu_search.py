@@ -30,6 +30,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -37,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _env  # noqa: E402
 import _run  # noqa: E402
-from _gpu import roofline, stream_time  # noqa: E402
+from _gpu import bench, roofline  # noqa: E402
 
 import tqindex as tq  # noqa: E402
 
@@ -45,6 +46,11 @@ QUERY_COUNTS = (1, 16, 256, 4096)
 KS = (10, 100)
 EXACT_CHUNK = 1024
 """Queries per matrix product of the exact bf16 baseline."""
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    """Median milliseconds of ``fn()``, calls issued back to back (``_gpu.bench``)."""
+    return bench(fn, back_to_back=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -104,15 +110,15 @@ def measure_encode(results: _run.Results, device: torch.device, quick: bool) -> 
         for backend in ("triton", "torch"):
             if backend == "torch" and n * d > 2e8:
                 x_part = x[: n // 10]
-                ms = stream_time(lambda: enc.encode_valid(x_part, backend)) * 10
+                ms = timed(lambda: enc.encode_valid(x_part, backend)) * 10
             else:
-                ms = stream_time(lambda: enc.encode_valid(x, backend))
+                ms = timed(lambda: enc.encode_valid(x, backend))
             gbps = n * d * 4 / ms / 1e6
             row[backend] = {"ms": ms, "input_GBps": gbps, "roofline_fraction": gbps / 1000 / roof}
         for column, options in (("one_prescale_ms", {"code_search": 1}),
                                 ("one_prescale_no_rotation_ms", {"code_search": 1, "rotation": "none"})):
             part = tq.make_encoder("tq4", d, **options)
-            row[column] = stream_time(lambda: part.encode_valid(x, "triton"))
+            row[column] = timed(lambda: part.encode_valid(x, "triton"))
         results.data["encode"][key] = row
         results.save()
         print(f"{key}: triton {row['triton']['ms']:.2f} ms ({row['triton']['input_GBps']:.0f} GB/s, "
@@ -145,20 +151,20 @@ def measure_flat(results: _run.Results, name: str, x: torch.Tensor, q_all: torch
             key = f"nq={nq} k={k}"
             if key in section["rows"]:
                 continue
-            ms = stream_time(lambda: index.search(q, k))  # from the third search on: graph replays
+            ms = timed(lambda: index.search(q, k))  # from the third search on: graph replays
             _, I = index.search(q, k)
             limit, index.cuda_graphs = index.cuda_graphs, 0
-            eager_ms = stream_time(lambda: index.search(q, k))
+            eager_ms = timed(lambda: index.search(q, k))
             index.cuda_graphs = limit
             qb = q.bfloat16()
-            exact_ms = stream_time(lambda: exact_bf16(xb, qb, k))
+            exact_ms = timed(lambda: exact_bf16(xb, qb, k))
             _, Ie = exact_bf16(xb, qb, k)
             qs = index.encoder.rotate(q)
             scorer = TritonScorer(index.encoder, qs, False)
-            scan_ms = stream_time(lambda: scorer.scan(codes, k, mode=MODE_MAX))
-            fused_ms = stream_time(lambda: scorer.candidates(codes, k))
+            scan_ms = timed(lambda: scorer.scan(codes, k, mode=MODE_MAX))
+            fused_ms = timed(lambda: scorer.candidates(codes, k))
             triton = TritonScorer(index.encoder, qs, False, cuda=False)  # beside the CUDA tile maxima, where they run
-            triton_ms = stream_time(lambda: triton.scan(codes, k, mode=MODE_MAX)) if scorer._cuda_tiles(codes, nq) else None
+            triton_ms = timed(lambda: triton.scan(codes, k, mode=MODE_MAX)) if scorer._cuda_tiles(codes, nq) else None
             row = {"ms": ms, "eager_ms": eager_ms, "qps": nq / ms * 1e3, "code_TBps": code_bytes / ms / 1e9,
                    "exact_bf16_ms": exact_ms, "speedup_vs_exact_bf16": exact_ms / ms,
                    "scan_only_ms": scan_ms, "scan_topk_ms": fused_ms, "topk_overhead": fused_ms / scan_ms - 1,
@@ -232,7 +238,7 @@ def measure_ivf(results: _run.Results, x: torch.Tensor, q_all: torch.Tensor, qui
     torch.cuda.synchronize()
     rows = {}
     for nprobe in (4, 8, 16, 32, 64):
-        ms = stream_time(lambda: index.search(q_all, 10, nprobe=nprobe))
+        ms = timed(lambda: index.search(q_all, 10, nprobe=nprobe))
         _, I = index.search(q_all, 10, nprobe=nprobe)
         rows[str(nprobe)] = {"ms": ms, "qps": len(q_all) / ms * 1e3, "recall_1_at_10": recall_1_at(I, top1)}
         print(f"IVF nprobe={nprobe}: {rows[str(nprobe)]['qps']:.0f} QPS, R@1@10 {rows[str(nprobe)]['recall_1_at_10']:.3f}",

@@ -44,19 +44,6 @@ _EAGER = "eager"
 _recording = threading.local()
 
 
-def any_true(flag: Tensor) -> bool:
-    """``bool(flag.any())`` (one device sync); while this thread records a graph: False, and ``flag`` is
-    checked after each replay of that graph instead."""
-    checks = getattr(_recording, "checks", None)
-    if checks is None:
-        return bool(flag.any())
-    seen = flag.any()
-    if checks:
-        seen |= checks[-1].flag
-    checks.append(_Check(seen, _external_event()))
-    return False
-
-
 class _Check(NamedTuple):
     """The deferred checks of a graph so far, folded into ``flag`` (bool, 0-dim), and the event recorded right
     after it in the graph (None where torch cannot record one there)."""
@@ -74,6 +61,19 @@ def _external_event() -> torch.cuda.Event | None:
         return None
     event.record()
     return event
+
+
+def any_true(flag: Tensor) -> bool:
+    """``bool(flag.any())`` (one device sync); while this thread records a graph: False, and ``flag`` is
+    checked after each replay of that graph instead."""
+    checks = getattr(_recording, "checks", None)
+    if checks is None:
+        return bool(flag.any())
+    seen = flag.any()
+    if checks:
+        seen |= checks[-1].flag
+    checks.append(_Check(seen, _external_event()))
+    return False
 
 
 @dataclass
