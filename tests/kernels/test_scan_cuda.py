@@ -48,15 +48,18 @@ CASES = [("tq4", 128, 1, 1, False), ("tq4", 64, 255, 3, True), ("tq4", 128, 4097
 @needs_triton
 def test_int8_levels():
     """The int8 levels: code c < 8 is -level(7 - c), c >= 8 is +level(c - 8), within half a step of the float
-    levels; the kernel's words hold them byte by byte."""
+    levels, the largest 126; magnitudes below half a step are raised to 1; the kernel's words hold them byte by
+    byte."""
     from tqindex.kernels.scan_cuda import int8_levels
 
     enc = tq.make_encoder("tq4", 128)
     centroids = enc.code_runs()[0].centroids.float()  # the 16 levels, ascending
     lv = int8_levels(centroids[8:])
-    assert lv.levels.dtype == torch.int8 and lv.levels.abs().max() == 127
+    assert lv.levels.dtype == torch.int8 and lv.levels.abs().max() == 126
     assert torch.equal(lv.levels[:8], -lv.levels[8:].flip(0))
     assert (lv.levels.float() * lv.scale - centroids).abs().max() <= lv.scale / 2 + 1e-7
+    tiny = int8_levels(torch.tensor([1e-4, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 1.0]))
+    assert tiny.levels[8] == 1 and tiny.levels[7] == -1 and (tiny.levels != 0).all()
     packed = torch.tensor(lv.words, dtype=torch.int64)
     got = torch.stack([(packed >> (8 * i)) & 255 for i in range(4)], 1).reshape(16)
     assert torch.equal(got, lv.levels.view(torch.uint8).long())
@@ -79,15 +82,16 @@ def test_int8_reference_within_its_rounding_bound(name, dim, n, m, l2):
 
 
 @pytest.mark.parametrize("name, dim, n, m, l2", CASES)
+@pytest.mark.parametrize("split", [0, 1])
 @needs_cuda
-def test_tile_maxima_equal_the_reference(name, dim, n, m, l2):
-    """The kernel's maxima equal its int8 reference's up to float32 rounding; ``tq4-pca`` (a trained basis,
-    every coordinate 4 bits) is the same one run."""
+def test_tile_maxima_equal_the_reference(name, dim, n, m, l2, split):
+    """The kernel's maxima equal its int8 reference's up to float32 rounding, with the kernel's choice of warps per
+    tile (here: eight) and with one; ``tq4-pca`` (a trained basis, every coordinate 4 bits) is the same one run."""
     from tqindex.kernels import scan_cuda
 
     enc, codes, qr, scorer, args = _problem(name, dim, n, m, l2, DEVICE)
     assert scorer._cuda_tiles(codes, m) and not scorer._cuda_tiles(codes, scan_cuda.MAX_QUERIES + 1)
-    got = scan_cuda.tile_maxima(codes, *args)
+    got = scan_cuda.tile_maxima(codes, *args, split=split)
     ref = scan_cuda.tile_maxima_ref(codes, *args)
     assert got.shape == (m, -(-n // scan_cuda.TILE)) and torch.isfinite(got).all()
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))

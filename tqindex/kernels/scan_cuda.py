@@ -28,13 +28,13 @@ TILE = 256
 """Rows per tile (and threads per block) of the kernel."""
 MAX_QUERIES = 16
 """Queries up to which the kernels scan (TILE_QUERIES of the Triton scorer: beyond, no tile maxima are taken). On an
-H200 over 10M x 128 codes 1, 2, 4, 8, 16 queries took 0.21, 0.23, 0.27, 0.36, 0.39 ms against the Triton kernel's
+H200 over 10M x 128 codes 1, 2, 4, 8, 16 queries took 0.21, 0.23, 0.27, 0.24, 0.31 ms against the Triton kernel's
 0.43, 0.60, 0.60, 0.60, 0.57 ms."""
 SOURCE = Path(__file__).parent / "csrc" / "scan_tiles.cu"
 _DECLARATION = """
 void tile_max_launch(int64_t codes, int64_t norm, int64_t q, int64_t qstride, int64_t half, int64_t qscale, int64_t m,
                      int64_t n, int64_t row_bytes, bool l2, const std::vector<int64_t>& tab, double lscale, int64_t out,
-                     int64_t stream);
+                     int64_t split, int64_t stream);
 """
 
 
@@ -116,9 +116,10 @@ def coordinate_order(qp: Tensor, layout: RunLayout) -> Tensor:
 
 
 class Int8Levels(NamedTuple):
-    """The int8 levels of a 4-bit run of direction codes: ``levels`` int8 [16] (code c < 8: -round(127 mags[7 - c]
-    / mags[7]); c >= 8: round(127 mags[c - 8] / mags[7])), ``scale`` float (level = int8 level x scale) and
-    ``words``, the four int32 words the kernel reads (bytes of codes 0-3, 4-7, 8-11, 12-15)."""
+    """The int8 levels of a 4-bit run of direction codes: ``levels`` int8 [16] (code c < 8: -mag8[7 - c]; c >= 8:
+    mag8[c - 8], where mag8 = round(126 mags / mags[7]) raised to at least 1: the MMA kernel's lookups need every
+    level nonzero and one below 127), ``scale`` float (level = int8 level x scale) and ``words``, the four int32
+    words the kernel reads (bytes of codes 0-3, 4-7, 8-11, 12-15)."""
 
     levels: Tensor
     scale: float
@@ -129,11 +130,11 @@ def int8_levels(mags: Tensor) -> Int8Levels:
     """:class:`Int8Levels` of a 4-bit run's eight ascending magnitudes ``mags`` float32 [8] (any device)."""
     mags = mags.detach().float().cpu()
     top = float(mags[7])
-    pos = torch.round(mags * (127 / top))
+    pos = torch.round(mags * (126 / top)).clamp(min=1)
     levels = torch.cat([-pos.flip(0), pos]).to(torch.int8)
     b = levels.view(torch.uint8).long().view(4, 4)
     words = (b[:, 0] | b[:, 1] << 8 | b[:, 2] << 16 | b[:, 3] << 24).tolist()
-    return Int8Levels(levels, float(torch.tensor(top / 127, dtype=torch.float32)), words)
+    return Int8Levels(levels, float(torch.tensor(top / 126, dtype=torch.float32)), words)
 
 
 def _row_levels(codes: Codes, lv: Int8Levels) -> Tensor:
@@ -169,10 +170,12 @@ def rounding_bound(qp: Tensor, layout: RunLayout, qscale: Tensor, lv: Int8Levels
                    l2: bool) -> Tensor:
     """How far :func:`tile_maxima_ref` may lie from the exact maxima (float32 levels ``mags`` [8] and queries, rows of
     norm up to ``max_norm``), per query float32 [m]: each product q_j L_j is off by at most e_q |L8_j| + |q_j| e_L
-    (e_q, e_L: half the query's and the levels' int8 step), and for l2 each L_j^2 by at most (2 max|L| + e_L) e_L."""
+    (e_q: half the query's int8 step, e_L: the levels' largest rounding error), and for l2 each L_j^2 by at most
+    (2 max|L| + e_L) e_L."""
     q = coordinate_order(qp, layout).float()
     d, mx = q.shape[1], q.abs().amax(1)
-    e_q, e_l = mx / 254, lv.scale / 2
+    e_q = mx / 254
+    e_l = float((lv.levels[8:].float() * lv.scale - mags.detach().float().cpu()).abs().max())
     top8 = float(lv.levels.abs().max()) * lv.scale
     bound = qscale.float() * max_norm * (e_q * d * top8 + q.abs().sum(1) * e_l)
     if l2:
@@ -187,13 +190,17 @@ def tile_max(scores: Tensor) -> Tensor:
     return torch.nn.functional.pad(scores, (0, tiles * TILE - n), value=float("-inf")).view(m, tiles, TILE).amax(2)
 
 
-def tile_maxima(codes: Codes, qp: Tensor, layout: RunLayout, qscale: Tensor, lv: Int8Levels, l2: bool) -> Tensor:
+def tile_maxima(codes: Codes, qp: Tensor, layout: RunLayout, qscale: Tensor, lv: Int8Levels, l2: bool,
+                split: int = 0) -> Tensor:
     """Each tile of TILE rows' best score per query in int8 arithmetic (module notes): float32 [m, ceil(n / TILE)]
     (rows past the end score -inf).
 
     codes: n rows the kernel :func:`reads`; qp: the Triton scan's planar float32 queries [m, plane_width] of the
     run ``layout`` (queries doubled for l2, as every scorer takes them), qscale float32 [m] their scales; ``lv``:
-    the run's :func:`int8_levels`; l2: minus each row's squared norm (``q.x - |x|^2``)."""
+    the run's :func:`int8_levels`; l2: minus each row's squared norm (``q.x - |x|^2``); split: the warps of the
+    MMA kernel (5-16 queries) that share a tile, 1 or 8 (0: the kernel's choice by the tile count)."""
+    if split not in (0, 1, 8):
+        raise ValueError(f"split must be 0, 1 or 8, got {split!r}")
     qdata, norm = codes.qdata.contiguous(), codes.norm.contiguous()
     qp, qscale = qp.float().contiguous(), qscale.contiguous()  # read in coordinate order by the kernel
     n, m = qdata.shape[0], qp.shape[0]
@@ -202,5 +209,5 @@ def tile_maxima(codes: Codes, qp: Tensor, layout: RunLayout, qscale: Tensor, lv:
         with torch.cuda.device(qdata.device):
             _module().tile_max_launch(qdata.data_ptr(), norm.data_ptr(), qp.data_ptr(), qp.shape[1], layout.padded,
                                       qscale.data_ptr(), m, n, qdata.shape[1], l2, lv.words, lv.scale, out.data_ptr(),
-                                      torch.cuda.current_stream(qdata.device).cuda_stream)
+                                      split, torch.cuda.current_stream(qdata.device).cuda_stream)
     return out.T
