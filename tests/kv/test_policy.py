@@ -191,12 +191,46 @@ def test_calibration_spends_the_budget_where_it_matters():
     assert all(layer.residual_length == 8 for layer in kept.layers) and kept.calibration["bits"] <= 3.0
     unbiased = measure_sensitivity(model, ids, bits=(2,), prefix=40, scored=16, unbiased_values=True)
     assert set(unbiased.value_kl) == {"tq2-unbiased"}
-    assert unbiased.key_kl == {"tq2-unbiased": sens.key_kl["tq2-unbiased"]}  # keys measured as before
+    assert set(unbiased.key_kl) == {"tq2-unbiased"}  # keys measured as before (in other batches: rounding apart)
+    assert unbiased.key_kl["tq2-unbiased"] == pytest.approx(sens.key_kl["tq2-unbiased"], rel=1e-3)
     chosen = policy_for_budget(unbiased, 3.0, allow_dense=False, context_tokens=2048)
     assert all(layer.value_encoder == "tq2-unbiased" for layer in chosen.layers)
     assert TQCache(model.config, policy=chosen).policy.layers == chosen.layers
     with pytest.raises(ValueError, match="prefix \\+ scored"):
         measure_sensitivity(model, ids[:, :20], prefix=40, scored=16)
+
+
+@pytest.mark.parametrize("side, layer, batch", [("keys", 1, 16), ("values", 2, 1)])
+def test_a_batched_trial_measures_what_its_own_cache_gives(side, layer, batch):
+    """A trial measured among the batch rows of the others equals the same trial run alone: a TQCache with that
+    layer at 2 bits (the other side at 8) read by the "tqindex" attention over its codes, prefilled, then fed the
+    scored tokens one at a time, against a full-precision cache."""
+    from tqindex.kv.calibrate import NEAR_EXACT
+
+    model = seeded(transformers.LlamaForCausalLM, llama_config(num_hidden_layers=3))
+    ids = prompt(length=56, seed=5)
+    sens = measure_sensitivity(model, ids, bits=(2,), prefix=40, scored=16, residual_length=3, batch=batch)
+    entries = [LayerPolicy(dense=True)] * 3
+    keys, values = ("tq2-unbiased", NEAR_EXACT) if side == "keys" else (NEAR_EXACT, "tq2")
+    entries[layer] = LayerPolicy(keys, values, 3)
+
+    def logp(cache):
+        with torch.inference_mode():
+            model(input_ids=ids[:, :40], **{CACHE_KW: cache}, use_cache=True)
+            out = [model(input_ids=ids[:, i : i + 1], **{CACHE_KW: cache}, use_cache=True).logits[0]
+                   for i in range(40, 56)]
+        return torch.log_softmax(torch.cat(out).float(), -1)
+
+    reference = logp(transformers.DynamicCache(config=model.config))
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("tqindex")
+    try:
+        alone = logp(TQCache(model.config, policy=KVPolicy(entries, True), encode_stride=1))
+    finally:
+        model.set_attn_implementation(previous)
+    kl = float((reference.exp() * (reference - alone)).sum(-1).mean())
+    measured = (sens.key_kl["tq2-unbiased"] if side == "keys" else sens.value_kl["tq2"])[layer]
+    assert kl > 0 and measured == pytest.approx(kl, rel=1e-3)
 
 
 def test_a_budget_below_the_cheapest_choice_fails_before_the_measurement(monkeypatch):

@@ -1,20 +1,23 @@
 """Per-layer precision of a TQCache chosen by measurement: :func:`calibrate` (:func:`measure_sensitivity`,
 then :func:`policy_for_budget`, which a user may call apart to try several budgets on one measurement).
 
-Every layer's sensitivity is measured alone: the model reads a calibration text of ``prefix + scored``
-tokens, its first ``prefix`` tokens go through a cache in which one layer stores its keys at ``b`` bits
-(``tq{b}-unbiased``, the keys of ``TQCache``'s default; its values at 8 bits, nearly exact) behind a window of
-``residual_length`` full-precision tokens and every other layer stays in full precision, the next ``scored``
-tokens are predicted ``chunk`` at a time over that growing history (1, the default: real decoding, each new
-token encoded once it leaves the window), and the sensitivity is the mean KL divergence of those predictions
-from a full-precision cache's, in nats. Values (``tq{b}``, or ``tq{b}-unbiased`` with ``unbiased_values``:
-codes scaled so that attention's output is unbiased) are measured the same way (keys at 8 bits). A
-layer's loss for ``b_k``-bit keys and ``b_v``-bit values is the sum of the two (errors of different layers and
-of keys and values add up, to first order), a full-precision layer's is 0, and
-:func:`tqindex.kv.policy.choose` picks per layer the option of least summed loss whose bytes fit the budget
-(every option with the measured window). Scored in larger chunks, a chunk's tokens attend to each other in
-full precision, as a chunked prefill does, which hides the error of the newest tokens' codes that real
-decoding reads: on SmolLM2-135M under real decoding an 8-token window took ``tq4`` (4 sinks, unbiased keys)
+Every layer's sensitivity is measured alone: the model reads a calibration text of ``prefix + scored`` tokens, its
+first ``prefix`` tokens go through a cache in which one layer stores its keys at ``b`` bits (``tq{b}-unbiased``, the
+keys of ``TQCache``'s default; its values at 8 bits, nearly exact) behind a window of ``residual_length``
+full-precision tokens and every other layer stays in full precision, the next ``scored`` tokens are predicted
+``chunk`` at a time over that growing history (1, the default: real decoding, each new token encoded once it leaves
+the window), and the sensitivity is the mean KL divergence of those predictions from a full-precision cache's, in
+nats. The prefill runs once; the trials (every layer, side and width) then read the scored tokens ``batch`` at a
+time as the rows of one batch of the model, each row's measured layer holding its tokens as that trial's ``TQCache``
+layer does (appended, read decoded, encoded once beyond the window: the attention the model runs sees the codes'
+values, as a ``TQCache`` read by attention other than ``"tqindex"``), its other layers and the other rows' that
+layer in full precision. Values (``tq{b}``, or ``tq{b}-unbiased`` with ``unbiased_values``: codes scaled so that
+attention's output is unbiased) are measured the same way (keys at 8 bits). A layer's loss for ``b_k``-bit keys and
+``b_v``-bit values is the sum of the two (errors of different layers and of keys and values add up, to first order),
+a full-precision layer's is 0, and :func:`tqindex.kv.policy.choose` picks per layer the option of least summed loss
+whose bytes fit the budget (every option with the measured window). Scored in larger chunks, a chunk's tokens attend
+to each other in full precision, as a chunked prefill does, which hides the error of the newest tokens' codes that
+real decoding reads: on SmolLM2-135M under real decoding an 8-token window took ``tq4`` (4 sinks, unbiased keys)
 from +2.5 % / +3.6 % perplexity to +0.8 % / +1.8 % (``benchmarks/results/kv_quality_smollm2_cpu_small_windows.md``,
 one run).
 
@@ -32,6 +35,7 @@ an option to study, not a default.
 
 from __future__ import annotations
 
+import copy
 import inspect
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
@@ -40,6 +44,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from ..checks import check_bool, check_int
 from ..turboquant import MSE_BITS
@@ -49,6 +54,8 @@ NEAR_EXACT = "tq8"
 """The encoder of the side (keys or values) not under measurement."""
 KEY_ENCODER = "tq{}-unbiased"
 """The key encoders measured (by bits), those of ``TQCache``'s default."""
+TRIAL_BATCH = 16
+"""Trials measured together: the batch rows of one pass of the model over the scored tokens."""
 
 
 @dataclass(frozen=True)
@@ -93,24 +100,27 @@ def measure_sensitivity(
     residual_length: int = 0,
     chunk: int = 1,
     unbiased_values: bool = False,
+    batch: int = TRIAL_BATCH,
 ) -> Sensitivity:
     """Each layer's sensitivity to ``"tq{b}-unbiased"`` keys and ``"tq{b}"`` values (``"tq{b}-unbiased"`` with
     ``unbiased_values``), for b in ``bits``, behind a window of ``residual_length`` tokens, the ``scored`` tokens
     fed ``chunk`` at a time (module notes).
 
     model: a transformers causal LM; tokens: calibration token ids [1, T] (or [T]) with T >= prefix +
-    scored; backend: the kernels of the trial caches; key_scales: per-layer key scales (:func:`key_scales`)
-    the trial caches hold their keys with, or None. Runs 2 · layers · len(bits) + 1 trials of a prefill and
-    ceil(scored / chunk) steps of the model (a progress bar counts the trials); the model's attention
-    implementation is restored afterwards.
+    scored; backend: the kernels of the trial caches' encoders; key_scales: per-layer key scales
+    (:func:`key_scales`) the trial caches hold their keys with, or None; batch: trials per pass of the model
+    (its batch rows). Runs one prefill of ``prefix`` tokens, then the ``2 · layers · len(bits)`` trials and the
+    full-precision reference, ``batch`` at a time, each through ``ceil(scored / chunk)`` steps of the model (a
+    progress bar counts the trials).
     """
-    from .hf import TQCache
+    from .hf import TQCache, TQLayer
 
     tokens = tokens.reshape(1, -1) if isinstance(tokens, Tensor) and tokens.dim() == 1 else tokens
     check_int(prefix, "prefix", 1)
     check_int(scored, "scored", 1)
     check_int(residual_length, "residual_length", 0)
     check_int(chunk, "chunk", 1)
+    check_int(batch, "batch", 1)
     check_bool(unbiased_values, "unbiased_values")
     if not isinstance(tokens, Tensor) or tokens.dim() != 2 or tokens.shape[0] != 1 \
             or tokens.shape[1] < prefix + scored:
@@ -120,36 +130,79 @@ def measure_sensitivity(
                                     key_scales=key_scales, residual_length=residual_length, chunk=chunk,
                                     unbiased_values=unbiased_values)
     layers = template.layers
-    weight = next(model.parameters())
-    tokens = tokens.to(weight.device)
+    tokens = tokens.to(next(model.parameters()).device)
     kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
-    def predictions(cache: Any) -> Tensor:  # log-probabilities [scored, vocab] of the scored tokens
-        model(input_ids=tokens[:, :prefix], **{kwarg: cache}, use_cache=True, logits_to_keep=1)
-        logits = [model(input_ids=tokens[:, i:min(i + chunk, prefix + scored)], **{kwarg: cache},
-                        use_cache=True).logits[0] for i in range(prefix, prefix + scored, chunk)]
-        return torch.log_softmax(torch.cat(logits).float(), dim=-1)
-
-    def trial(layer: int, keys: str, values: str) -> KVPolicy:
+    def trial_store(layer: int, keys: str, values: str) -> Any:  # layer's KVStore in the trial's TQCache, or None
         entries = [LayerPolicy(dense=True)] * layers
         entries[layer] = LayerPolicy(keys, values, residual_length)
         policy = KVPolicy(entries, center_keys)
-        return policy if key_scales is None else policy.with_key_scales(key_scales)
+        policy = policy if key_scales is None else policy.with_key_scales(key_scales)
+        held = TQCache(model.config, policy=policy, backend=backend, encode_stride=1).layers[layer]
+        return held.store if isinstance(held, TQLayer) else None  # (a layer type TQCache keeps dense: no loss)
 
     kl = {"keys": template.key_kl, "values": template.value_kl}  # filled in place
-    previous = model.config._attn_implementation
-    model.set_attn_implementation("tqindex")
-    try:
-        with torch.inference_mode():
-            reference = predictions(DynamicCache(config=model.config))
-            runs = [(i, name, side) for i in range(layers) for side in kl for name in kl[side]]
-            for i, spec, side in tqdm(runs, desc="calibrating", unit="run"):
-                policy = trial(i, spec, NEAR_EXACT) if side == "keys" else trial(i, NEAR_EXACT, spec)
-                logp = predictions(TQCache(model.config, policy=policy, backend=backend, encode_stride=1))
-                kl[side][spec][i] = max(float((reference.exp() * (reference - logp)).sum(-1).mean()), 0.0)
-    finally:
-        model.set_attn_implementation(previous)
+    runs = [(i, name, side) for i in range(layers) for side in kl for name in kl[side]]
+    with torch.inference_mode():
+        prefilled = DynamicCache(config=model.config)
+        model(input_ids=tokens[:, :prefix], **{kwarg: prefilled}, use_cache=True, logits_to_keep=1)
+        reference = _scored(model, _trial_cache(prefilled, [None]), 1, tokens, prefix, scored, chunk, kwarg)[0]
+        with tqdm(total=len(runs), desc="calibrating", unit="trial") as progress:
+            for first in range(0, len(runs), batch):
+                part = runs[first : first + batch]
+                stores = [trial_store(i, spec, NEAR_EXACT) if side == "keys" else trial_store(i, NEAR_EXACT, spec)
+                          for i, spec, side in part]
+                cache = _trial_cache(prefilled, [None if s is None else (i, s) for (i, _, _), s in zip(part, stores)])
+                logp = _scored(model, cache, len(part), tokens, prefix, scored, chunk, kwarg)
+                for (i, spec, side), row in zip(part, logp):
+                    kl[side][spec][i] = max(float((reference.exp() * (reference - row)).sum(-1).mean()), 0.0)
+                progress.update(len(part))
     return template
+
+
+class _TrialLayer(DynamicLayer):
+    """A full-precision cache layer over a batch of trials whose rows ``stores`` maps to KVStores (of the trials'
+    TQCache layers) hold their tokens there too and read them from there, decoded, as a TQCache layer hands its
+    tokens to attention other than ``"tqindex"``: appended, read, then settled (encoded beyond the window)."""
+
+    def __init__(self, stores: dict[int, Any]) -> None:
+        super().__init__()
+        self.stores = stores
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        for row, store in self.stores.items():
+            store.append(key_states[row : row + 1], value_states[row : row + 1])
+            held = store.materialize(keys.dtype)
+            keys[row], values[row] = held[0][0], held[1][0]  # the layer's own rows: rewritten at every step
+            store.settle()
+        return keys, values
+
+
+def _trial_cache(prefilled: Any, trials: list[tuple[int, Any] | None]) -> Any:
+    """The one-row cache ``prefilled`` repeated for a batch row per trial, the row of trial (layer i, KVStore)
+    holding layer i's tokens in that store (:class:`_TrialLayer`; the prefill's tokens appended there as a
+    TQCache layer takes them), a None trial's row in full precision everywhere."""
+    cache = copy.deepcopy(prefilled)
+    cache.batch_repeat_interleave(len(trials))
+    by_layer: dict[int, dict[int, Any]] = {}
+    for row, trial in enumerate(trials):
+        if trial is not None:
+            by_layer.setdefault(trial[0], {})[row] = trial[1]
+    for i, stores in by_layer.items():
+        layer = _TrialLayer(stores)
+        layer.update(cache.layers[i].keys, cache.layers[i].values)
+        cache.layers[i] = layer
+    return cache
+
+
+def _scored(model: Any, cache: Any, rows: int, tokens: Tensor, prefix: int, scored: int, chunk: int,
+            kwarg: str) -> Tensor:
+    """Log-probabilities float32 [rows, scored, vocab] of the scored tokens, fed ``chunk`` at a time to each of the
+    ``rows`` rows of ``cache`` (prefilled with the first ``prefix`` tokens)."""
+    logits = [model(input_ids=tokens[:, i : min(i + chunk, prefix + scored)].expand(rows, -1), **{kwarg: cache},
+                    use_cache=True).logits for i in range(prefix, prefix + scored, chunk)]
+    return torch.log_softmax(torch.cat(logits, 1).float(), dim=-1)
 
 
 def sensitivity_template(model: Any, *, bits: tuple[int, ...] = (2, 3, 4), prefix: int = 384, scored: int = 64,
@@ -216,7 +269,7 @@ def calibrate(model: Any, tokens: Tensor, budget_bits: float, *, bits: tuple[int
               allow_dense: bool = True, prefix: int = 384, scored: int = 64, context_tokens: int = 2048,
               sink_length: int = SINK_LENGTH, encode_stride: int = ENCODE_STRIDE, center_keys: bool = True,
               backend: str | None = None, scale_keys: bool = False, residual_length: int = 0,
-              chunk: int = 1, unbiased_values: bool = False) -> KVPolicy:
+              chunk: int = 1, unbiased_values: bool = False, batch: int = TRIAL_BATCH) -> KVPolicy:
     """A :class:`KVPolicy` for ``model`` at most ``budget_bits`` bits per stored key/value element on
     average: :func:`measure_sensitivity` on calibration ids ``tokens`` [1, T], then :func:`policy_for_budget`
     (arguments as there); with ``scale_keys``, key scales measured on the same tokens first
@@ -230,7 +283,8 @@ def calibrate(model: Any, tokens: Tensor, budget_bits: float, *, bits: tuple[int
     scales = key_scales(model, tokens) if check_bool(scale_keys, "scale_keys") else None
     sensitivity = measure_sensitivity(model, tokens, bits=bits, prefix=prefix, scored=scored,
                                       center_keys=center_keys, backend=backend, key_scales=scales,
-                                      residual_length=residual_length, chunk=chunk, unbiased_values=unbiased_values)
+                                      residual_length=residual_length, chunk=chunk, unbiased_values=unbiased_values,
+                                      batch=batch)
     return policy_for_budget(sensitivity, budget_bits, allow_dense=allow_dense, context_tokens=context_tokens,
                              sink_length=sink_length, encode_stride=encode_stride)
 
