@@ -96,8 +96,6 @@ DEFAULT_CONFIGS = (
     "tq2-r0-p0-ks", "tq4-r8-p0-s4-ku", "tq3-r8-p0-s4-ku-vu", "policy-b3.25-r8", "policy-b2.5-r8",
 )
 QUICK_CONFIGS = ("dynamic", "tq4-r128-p2")
-CALIBRATION_SCORED = 64
-"""Tokens of the calibration text a policy's measurement predicts, one at a time (the rest is its prefix)."""
 CALIBRATION: dict[str, Any] = {}
 """``key_scales``, the sensitivities (:func:`sensitivity_name`: with unscaled or scaled keys, behind a window;
 measured once per run by :func:`main`) and ``context_tokens``: what ``-ks`` and ``policy-b*`` configurations are
@@ -512,7 +510,8 @@ def markdown(result: dict[str, Any]) -> str:
     if result.get("calibration"):
         c = result["calibration"]
         what = "Policies" if c["policies"] else "Key scales"
-        lines += ["", f"{what} calibrated on {c['text']['topics']} ({c['tokens']} tokens, "
+        scored = f", the last {c['scored']} scored" if c["policies"] and c.get("scored") else ""
+        lines += ["", f"{what} calibrated on {c['text']['topics']} ({c['tokens']} tokens{scored}, "
                       f"{c['time_s']:.0f} s)" + ("; layer by layer:" if c["policies"] else "."), ""]
         for name, policy in c["policies"].items():
             lines += [f"`{name}` ({policy['bits']:.2f} bits per element at {c['context_tokens']} tokens):", "",
@@ -537,7 +536,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--needle-streamed", type=int, default=64, help="last tokens of the needle prompt fed one "
                    "by one (in --chunk pieces)")
     p.add_argument("--calibration-tokens", type=int, default=448, help="tokens of the calibration text "
-                   "(384 prefix + 64 scored)")
+                   "(prefix + scored)")
+    p.add_argument("--calibration-scored", type=int, default=64, help="tokens of the calibration text a policy's "
+                   "measurement predicts, one at a time (the others are its prefix)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (1 is much faster than 2 on a loaded 2-core machine)")
     p.add_argument("--out", type=Path, default=None,
@@ -558,6 +559,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--needle-depth must be in [0, 1], got {args.needle_depth}")
     if args.needle_streamed < 1:
         p.error(f"--needle-streamed must be >= 1, got {args.needle_streamed}")
+    if not 0 < args.calibration_scored < args.calibration_tokens:
+        p.error(f"--calibration-scored must be in (0, --calibration-tokens={args.calibration_tokens}), "
+                f"got {args.calibration_scored}")
     return args
 
 
@@ -601,7 +605,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for scaled, window, unbiased in sorted({(s.key_scales, s.residual_length, s.values_unbiased)
                                                 for s in specs if s.budget_bits is not None}):
             CALIBRATION[sensitivity_name(scaled, window, unbiased)] = measure_sensitivity(
-                model, ids, prefix=ids.shape[1] - CALIBRATION_SCORED, scored=CALIBRATION_SCORED,
+                model, ids, prefix=ids.shape[1] - args.calibration_scored, scored=args.calibration_scored,
                 key_scales=CALIBRATION["key_scales"] if scaled else None, residual_length=window,
                 unbiased_values=unbiased)
         policies = {spec.name: policy_for_budget(
@@ -609,6 +613,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         spec.budget_bits, context_tokens=args.tokens, encode_stride=ENCODE_STRIDE)
                     for spec in specs if spec.budget_bits is not None}
         calibration = {"text": _lm.text_info(text, _lm.CALIBRATION_TOPICS), "tokens": ids.shape[1],
+                       "scored": args.calibration_scored,
                        "context_tokens": args.tokens, "time_s": time.perf_counter() - t1,
                        **{m: v.to_dict() for m, v in CALIBRATION.items() if m.startswith("sensitivity")},
                        "key_scales": [None if t is None else t.tolist() for t in CALIBRATION["key_scales"]],
