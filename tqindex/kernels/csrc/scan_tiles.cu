@@ -30,8 +30,11 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "levels4.cuh"
@@ -296,15 +299,23 @@ __global__ void __launch_bounds__(TILE, 4) mma_kernel(const uint8_t* __restrict_
 // Shared memory of a block for nq query slots over rows of row_bytes bytes.
 int shared_bytes(int nq, int row_bytes) { return nq * row_bytes * 2 + WARPS * nq * 4 + nq * 4; }
 
-// Blocks of kernel that fit on the device at once.
+// Blocks of kernel that fit on the current device at once with smem bytes of shared memory (the kernel opted in
+// to them): asked of the runtime once per kernel, device and size, then remembered.
 template <typename Kernel>
 int64_t resident_blocks(Kernel kernel, int smem) {
-  if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  int device = 0, sms = 0, resident = 0;
+  static std::mutex lock;
+  static std::map<std::tuple<const void*, int, int>, int64_t> known;
+  int device = 0;
   cudaGetDevice(&device);
+  const std::lock_guard<std::mutex> guard(lock);
+  const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), device, smem);
+  const auto found = known.find(key);
+  if (found != known.end()) return found->second;
+  if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  int sms = 0, resident = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, TILE, smem);
-  return int64_t(sms) * std::max(resident, 1);
+  return known[key] = int64_t(sms) * std::max(resident, 1);
 }
 
 // Launches kernel (rows_kernel or mma_kernel) for nq query slots on a grid of resident blocks, each taking
