@@ -1,4 +1,5 @@
-"""The CUDA tile-maxima scan of few queries over 4-bit codes against the PyTorch reference (CUDA devices only)."""
+"""The CUDA kernels of the scan of few queries over 4-bit codes (tile maxima, exact re-scoring) against their PyTorch
+references (CUDA devices only, the references on any)."""
 
 import pytest
 import torch
@@ -123,4 +124,70 @@ def test_search_of_few_queries_through_the_cuda_kernel(monkeypatch, nq, k, metri
     D0, I0 = index.search(q, k)
     index.backend = "triton"
     same_up_to_ties(*index.search(q, k), D0, I0)
+    assert calls
+
+
+def _candidates(n, m, span, seed):
+    """Candidate tiles (span rows) or rows [m, 5] of n rows, with the last (partial) tile or row and a -1."""
+    g = torch.Generator().manual_seed(seed)
+    last = -(-n // span) - 1
+    cand = torch.randint(0, last + 1, (m, 5), generator=g)
+    cand[:, 0], cand[:, 1] = last, -1
+    return cand.to(DEVICE)
+
+
+@needs_triton
+@pytest.mark.parametrize("name, dim, n, m, l2", CASES[:4] + CASES[-1:])
+def test_rescore_reference_is_the_exact_score(name, dim, n, m, l2):
+    """The re-scoring reference (any device) gives every candidate row the exact float32 score (the decoding
+    scorer's), -inf and row -1 where there is none or past the last row."""
+    from tqindex.kernels import scan_cuda
+
+    enc, codes, qr, scorer, args = _problem(name, dim, n, m, l2, DEVICE)
+    exact = tq.scorer.DecodeScorer(enc, qr, l2).scores(codes)  # [m, n]
+    cand = _candidates(n, m, scan_cuda.TILE, 0)
+    v, rows = scan_cuda.rescore_ref(codes, *args, None, cand, scan_cuda.TILE)
+    place = torch.arange(5 * scan_cuda.TILE, device=DEVICE)
+    want = cand[:, place // scan_cuda.TILE] * scan_cuda.TILE + place % scan_cuda.TILE
+    want = torch.where((cand[:, place // scan_cuda.TILE] >= 0) & (want < n), want, -1)
+    assert torch.equal(rows, want)
+    ok = rows >= 0
+    assert (v[~ok] == float("-inf")).all()
+    torch.testing.assert_close(v[ok], exact.gather(1, rows.clamp_min(0))[ok], rtol=1e-5, atol=1e-5)
+
+
+@needs_cuda
+@pytest.mark.parametrize("name, dim, n, m, l2", CASES)
+@pytest.mark.parametrize("span, subset", [(256, False), (1, True)])
+def test_rescore_equals_the_reference(name, dim, n, m, l2, span, subset):
+    """The re-scoring kernel's scores equal its reference's up to float32 summation order, its rows exactly, for
+    tiles and for single rows, all queries or a subset of them; the Triton kernel's scores are the same."""
+    from tqindex.kernels import scan_cuda
+    from tqindex.kernels.scan_triton import TritonScorer
+
+    enc, codes, qr, scorer, args = _problem(name, dim, n, m, l2, DEVICE)
+    qrows = torch.arange(m - 1, -1, -2, device=DEVICE) if subset else None
+    cand = _candidates(n, m if qrows is None else len(qrows), span, 1)
+    v, rows = scan_cuda.rescore(codes, *args, qrows, cand, span)
+    rv, rrows = scan_cuda.rescore_ref(codes, *args, qrows, cand, span)
+    assert torch.equal(rows, rrows) and torch.equal(v == float("-inf"), rrows < 0)
+    torch.testing.assert_close(v, rv, rtol=1e-5, atol=1e-5 * float(rv[rrows >= 0].abs().max()))
+    tv, trows = TritonScorer(enc, qr, l2, cuda=False).rescore(qrows, codes, cand, span)
+    assert torch.equal(trows, rows)
+    torch.testing.assert_close(tv, v, rtol=1e-5, atol=1e-5 * float(rv[rrows >= 0].abs().max()))
+
+
+@needs_cuda
+def test_search_rescores_through_the_cuda_kernel(monkeypatch):
+    """A search of few queries re-scores its best tiles with the CUDA kernel where it reads the codes."""
+    from tqindex.kernels import scan_cuda
+
+    calls = []
+    real = scan_cuda.rescore
+    monkeypatch.setattr(scan_cuda, "rescore", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    x, q = data(140_001, 128, 5).to(DEVICE), data(4, 128, 6).to(DEVICE)
+    index = flat("tq4", 128, "ip", x)
+    D0, I0 = index.search(q, 10)
+    index.backend = "triton"
+    same_up_to_ties(*index.search(q, 10), D0, I0)
     assert calls

@@ -1,14 +1,17 @@
-"""Tile maxima of 1-16 queries over one 4-bit run of direction codes by CUDA C++ kernels (``csrc/scan_tiles.cu``,
-whose notes describe them), built at first use by ``torch.utils.cpp_extension`` (nvcc; once, cached by torch between
-processes).
+"""The two passes of a GPU scan of 1-16 queries over one 4-bit run of direction codes by CUDA C++ kernels, built at
+first use by ``torch.utils.cpp_extension`` (nvcc; once, cached by torch between processes):
 
-They compute the maxima of :class:`~tqindex.kernels.scan_triton.TritonScorer`'s ``MODE_TILE_MAX`` scan (each tile
-of TILE rows' best score per query, the first pass of a scan of few queries, whose best tiles are then scored
-exactly) where the codes are one 4-bit run over every coordinate with float16 norms (``tq4`` and its variants)
-and code rows are a multiple of 32 bytes (dims a multiple of 64); elsewhere the Triton kernel computes them. They
-score in int8: levels and queries rounded to int8 (:func:`int8_levels`), products summed exactly (dp4a, int8
-tensor-core MMAs). Their reference, :func:`tile_maxima_ref`, computes the same roundings in PyTorch; it differs
-from the exact scores by at most :func:`rounding_bound`.
+- tile maxima (``csrc/scan_tiles.cu``, whose notes describe them): :class:`~tqindex.kernels.scan_triton.TritonScorer`'s
+  ``MODE_TILE_MAX`` scan, each tile of TILE rows' best score per query. They score in int8: levels and queries
+  rounded to int8 (:func:`int8_levels`), products summed exactly (dp4a, int8 tensor-core MMAs). Their reference,
+  :func:`tile_maxima_ref`, computes the same roundings in PyTorch; it differs from the exact scores by at most
+  :func:`rounding_bound`.
+- exact re-scoring (``csrc/rescore_rows.cu``): the float32 scores of every row of each query's best tiles, as
+  ``TritonScorer.rescore`` computes them, from a table of each coordinate's products with the sixteen levels.
+  Reference: :func:`rescore_ref`.
+
+They read codes of one 4-bit run over every coordinate with float16 norms (``tq4`` and its variants) whose code rows
+are a multiple of 32 bytes (dims a multiple of 64); elsewhere the Triton kernels compute the same.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 from torch import Tensor
 
 from ..codes import Codes
+from . import multiprocessors
 from .planes import RunLayout, cdiv
 
 TILE = 256
@@ -30,12 +34,22 @@ MAX_QUERIES = 16
 """Queries up to which the kernels scan (TILE_QUERIES of the Triton scorer: beyond, no tile maxima are taken). On an
 H200 over 10M x 128 codes 1, 2, 4, 8, 16 queries took 0.21, 0.23, 0.27, 0.24, 0.31 ms against the Triton kernel's
 0.43, 0.60, 0.60, 0.60, 0.57 ms."""
-SOURCE = Path(__file__).parent / "csrc" / "scan_tiles.cu"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("scan_tiles.cu", "rescore_rows.cu")]
 _DECLARATION = """
 void tile_max_launch(int64_t codes, int64_t norm, int64_t q, int64_t qstride, int64_t half, int64_t qscale, int64_t m,
                      int64_t n, int64_t row_bytes, bool l2, const std::vector<int64_t>& tab, double lscale, int64_t out,
                      int64_t split, int64_t stream);
+void rescore_launch(int64_t codes, int64_t norm, int64_t q, int64_t qstride, int64_t half, int64_t qscale,
+                    int64_t qrows, int64_t m, int64_t n, int64_t row_bytes, bool l2, const std::vector<double>& mags,
+                    int64_t cand, int64_t c, int64_t span, int64_t rows, int64_t out_v, int64_t out_i,
+                    int64_t stream);
 """
+RESCORE_ROWS = (1024, 512, 256, 128)
+"""Candidate rows per block of the re-scoring kernel (each block first writes its query's table of products): the most
+that still give every multiprocessor two blocks, else the fewest."""
+RESCORE_TABLE_BYTES = 200 * 1024
+"""Largest table of products (16 float32 per coordinate) the re-scoring kernel keeps in shared memory: dims up to
+3,200."""
 
 
 @cache
@@ -44,11 +58,12 @@ def _module() -> Any:
     from torch.utils.cpp_extension import load_inline
 
     try:
-        return load_inline("tqindex_scan_tiles", cpp_sources=_DECLARATION, cuda_sources=SOURCE.read_text(),
-                           functions=["tile_max_launch"], extra_cuda_cflags=["-O3", "-std=c++17"],
-                           extra_include_paths=[str(SOURCE.parent)])
+        return load_inline("tqindex_scan_tiles", cpp_sources=_DECLARATION,
+                           cuda_sources=[source.read_text() for source in SOURCES],
+                           functions=["tile_max_launch", "rescore_launch"], extra_cuda_cflags=["-O3", "-std=c++17"],
+                           extra_include_paths=[str(SOURCES[0].parent)])
     except Exception as e:  # a compiler or toolkit problem: the Triton kernel still runs
-        warnings.warn(f"the CUDA scan kernel could not be built ({e}); the Triton kernel scans", RuntimeWarning,
+        warnings.warn(f"the CUDA scan kernels could not be built ({e}); the Triton kernels scan", RuntimeWarning,
                       stacklevel=3)
         return None
 
@@ -62,11 +77,23 @@ def available() -> bool:
 
 
 def reads(layouts: tuple, codes: Codes, m: int) -> bool:
-    """Whether the kernel scans these codes (CUDA, in one 4-bit run over every coordinate of rows of a multiple of
-    32 bytes at a 16-byte aligned address, float16 norms) for ``m`` queries, and builds and passes its check."""
+    """Whether the tile-maxima kernel scans these codes (:func:`reads_codes`) for ``m`` queries."""
+    return 0 < m <= MAX_QUERIES and reads_codes(layouts, codes)
+
+
+def rescores(layouts: tuple, codes: Codes, width: int) -> bool:
+    """Whether the re-scoring kernel scores ``width`` candidate rows per query of these codes (:func:`reads_codes`):
+    at least a block's rows (else the Triton kernel, which builds no table), a table that fits."""
+    return (width >= RESCORE_ROWS[-1] and codes.qdata.shape[1] * 2 * 16 * 4 <= RESCORE_TABLE_BYTES
+            and reads_codes(layouts, codes))
+
+
+def reads_codes(layouts: tuple, codes: Codes) -> bool:
+    """Whether the kernels read these codes (CUDA, in one 4-bit run over every coordinate of rows of a multiple of 32
+    bytes at a 16-byte aligned address, float16 norms), and the extension builds and passes its check."""
     first, rest = RunLayout(*layouts[0]), layouts[1:]
     qdata, norm = codes.qdata, codes.norm
-    return (0 < m <= MAX_QUERIES and qdata.device.type == "cuda" and first.bits == 4 and not any(r[3] for r in rest)
+    return (qdata.device.type == "cuda" and first.bits == 4 and not any(r[3] for r in rest)
             and first.byte_offset == 0 and first.width == 2 * qdata.shape[1] and qdata.shape[1] % 32 == 0
             and qdata.data_ptr() % 16 == 0 and norm is not None and norm.dtype == torch.float16 and available()
             and _checked(qdata.device))
@@ -96,14 +123,17 @@ def _check(device: torch.device) -> bool:
     enc = make_encoder("tq4", 64)
     codes = enc.encode(torch.randn(3 * TILE - 5, 64, generator=g).to(device))
     ok = True
-    for m, l2 in ((1, False), (3, True), (9, True)):  # both kernels
+    for m, l2 in ((1, False), (3, True), (9, True)):  # both tile kernels, both re-scoring ones
         qs = enc.rotate(torch.randn(m, 64, generator=g).to(device))
         scorer = TritonScorer(enc, qs, l2)
         args = (codes, scorer.qp32, RunLayout(*scorer.runs[0]), scorer.qscale, scorer.levels_i8, l2)
         ref = tile_maxima_ref(*args)
         ok &= bool(torch.allclose(tile_maxima(*args), ref, rtol=0, atol=1e-5 * float(ref.abs().max())))
+        cand = torch.tensor([[2, -1, 0]], device=device).expand(m, 3)
+        (v, i), (rv, ri) = rescore(*args, None, cand, TILE), rescore_ref(*args, None, cand, TILE)
+        ok &= bool(torch.equal(i, ri) and torch.allclose(v, rv, rtol=1e-5, atol=1e-5 * float(rv[ri >= 0].abs().max())))
     if not ok:
-        warnings.warn("the CUDA scan kernel's maxima differ from the reference's here; the Triton kernel scans",
+        warnings.warn("the CUDA scan kernels differ from their references here; the Triton kernels scan",
                       RuntimeWarning, stacklevel=3)
     return ok
 
@@ -116,14 +146,16 @@ def coordinate_order(qp: Tensor, layout: RunLayout) -> Tensor:
 
 
 class Int8Levels(NamedTuple):
-    """The int8 levels of a 4-bit run of direction codes: ``levels`` int8 [16] (code c < 8: -mag8[7 - c]; c >= 8:
-    mag8[c - 8], where mag8 = round(126 mags / mags[7]) raised to at least 1: the MMA kernel's lookups need every
-    level nonzero and one below 127), ``scale`` float (level = int8 level x scale) and ``words``, the four int32
-    words the kernel reads (bytes of codes 0-3, 4-7, 8-11, 12-15)."""
+    """The levels of a 4-bit run of direction codes as the kernels read them: ``levels`` int8 [16] (code c < 8:
+    -mag8[7 - c]; c >= 8: mag8[c - 8], where mag8 = round(126 mags / mags[7]) raised to at least 1: the MMA kernel's
+    lookups need every level nonzero and one below 127), ``scale`` float (level = int8 level x scale), ``words``, the
+    four int32 words the tile-maxima kernel reads (bytes of codes 0-3, 4-7, 8-11, 12-15), and ``mags``, the eight
+    float32 magnitudes themselves (exact as Python floats), which the re-scoring kernel reads."""
 
     levels: Tensor
     scale: float
     words: list[int]
+    mags: list[float]
 
 
 def int8_levels(mags: Tensor) -> Int8Levels:
@@ -134,7 +166,7 @@ def int8_levels(mags: Tensor) -> Int8Levels:
     levels = torch.cat([-pos.flip(0), pos]).to(torch.int8)
     b = levels.view(torch.uint8).long().view(4, 4)
     words = (b[:, 0] | b[:, 1] << 8 | b[:, 2] << 16 | b[:, 3] << 24).tolist()
-    return Int8Levels(levels, float(torch.tensor(top / 126, dtype=torch.float32)), words)
+    return Int8Levels(levels, float(torch.tensor(top / 126, dtype=torch.float32)), words, mags.tolist())
 
 
 def _row_levels(codes: Codes, lv: Int8Levels) -> Tensor:
@@ -211,3 +243,48 @@ def tile_maxima(codes: Codes, qp: Tensor, layout: RunLayout, qscale: Tensor, lv:
                                       qscale.data_ptr(), m, n, qdata.shape[1], l2, lv.words, lv.scale, out.data_ptr(),
                                       split, torch.cuda.current_stream(qdata.device).cuda_stream)
     return out.T
+
+
+def rescore(codes: Codes, qp: Tensor, layout: RunLayout, qscale: Tensor, lv: Int8Levels, l2: bool,
+            qrows: Tensor | None, cand: Tensor, span: int) -> tuple[Tensor, Tensor]:
+    """Exact float32 scores of candidates, as ``TritonScorer.rescore`` returns them: codes, qp, layout, qscale, lv and
+    l2 as for :func:`tile_maxima` (any number of queries; codes the kernel :func:`rescores`); query rows ``qrows``
+    int64 [m] of qp (all when None); cand [m, c]: rows (span 1) or tiles of ``span`` rows, -1 for none -> (scores
+    float32 [m, c * span], -inf where none or past the end; rows int64 [m, c * span], -1 there)."""
+    qdata, norm = codes.qdata.contiguous(), codes.norm.contiguous()
+    qp, qscale, cand = qp.float().contiguous(), qscale.contiguous(), cand.long().contiguous()
+    m, c = cand.shape
+    out_v = torch.empty(m, c * span, device=qdata.device)
+    out_i = torch.empty(m, c * span, dtype=torch.int64, device=qdata.device)
+    rows = None if qrows is None else qrows.long().contiguous()
+    blocks = 2 * multiprocessors(qdata.device)
+    per_block = next((r for r in RESCORE_ROWS if m * cdiv(c * span, r) >= blocks), RESCORE_ROWS[-1])
+    with torch.cuda.device(qdata.device):
+        _module().rescore_launch(qdata.data_ptr(), norm.data_ptr(), qp.data_ptr(), qp.shape[1], layout.padded,
+                                 qscale.data_ptr(), 0 if rows is None else rows.data_ptr(), m, qdata.shape[0],
+                                 qdata.shape[1], l2, lv.mags, cand.data_ptr(), c, span, per_block, out_v.data_ptr(),
+                                 out_i.data_ptr(), torch.cuda.current_stream(qdata.device).cuda_stream)
+    return out_v, out_i
+
+
+def rescore_ref(codes: Codes, qp: Tensor, layout: RunLayout, qscale: Tensor, lv: Int8Levels, l2: bool,
+                qrows: Tensor | None, cand: Tensor, span: int) -> tuple[Tensor, Tensor]:
+    """The reference of :func:`rescore` (same arguments): each candidate row's float32 levels times the query in
+    coordinate order, summed in float64."""
+    qdata = codes.qdata
+    n, (m, c) = len(qdata), cand.shape
+    q = coordinate_order(qp, layout).double()[slice(None) if qrows is None else qrows.long()]  # [m, d]
+    place = torch.arange(c * span, device=cand.device)
+    entry = cand.long()[:, place // span]
+    rows = entry * span + place % span
+    ok = (entry >= 0) & (rows < n)
+    rows = torch.where(ok, rows, -1)
+    mags = torch.tensor(lv.mags, dtype=torch.float64, device=qdata.device)
+    levels = torch.cat([-mags.flip(0), mags])  # code c < 8: -mags[7 - c]
+    b = qdata[rows.clamp_min(0)].long()  # [m, c * span, bytes]
+    lev = levels[torch.stack([b & 15, b >> 4], 3).flatten(2)]  # [m, c * span, d]: coordinate 2g: low nibble of g
+    s = codes.norm.double()[rows.clamp_min(0)]
+    scores = (lev @ q[:, :, None]).squeeze(2) * s * qscale.double()[slice(None) if qrows is None else qrows.long(), None]
+    if l2:
+        scores -= s * s * lev.square().sum(2)
+    return torch.where(ok, scores, float("-inf")).float(), rows

@@ -539,8 +539,8 @@ CAPACITY_EXTRA; a query whose candidates overflow it is scanned again with the r
 
 class TritonScorer(Scorer):
     """The GPU scorer of direction codes (module notes). ``decode`` overrides the decode of 4-bit runs
-    (DECODE_GATHER, DECODE_SELECT, DECODE_PRMT); ``cuda=False`` keeps the CUDA tile-maxima kernel out (to time
-    the Triton kernel beside it)."""
+    (DECODE_GATHER, DECODE_SELECT, DECODE_PRMT); ``cuda=False`` keeps the CUDA kernels out (to time
+    the Triton kernels beside them)."""
 
     def __init__(self, encoder: Any, qs: Tensor, l2: bool, bar: Any = None, decode: int | None = None,
                  cuda: bool = True) -> None:
@@ -665,8 +665,12 @@ class TritonScorer(Scorer):
     def rescore(self, qrows: Tensor | None, codes: Codes, cand: Tensor, span: int = 1) -> tuple[Tensor, Tensor]:
         """Exact float32 scores (the encoder's decode, up to summation order) of candidates cand [m, c] for
         query rows ``qrows`` [m] (all when None): rows of ``codes`` (span 1) or tiles of ``span`` rows, -1 for
-        none -> (scores [m, c * span], -inf where none or past the end; rows int64 [m, c * span], -1 there)."""
+        none -> (scores [m, c * span], -inf where none or past the end; rows int64 [m, c * span], -1 there). The CUDA
+        kernel of ``scan_cuda`` scores them where it reads the codes."""
         m, width = cand.shape[0], cand.shape[1] * span
+        if self.cuda and scan_cuda.rescores(self.runs, codes, width):
+            return scan_cuda.rescore(codes, self.qp32, RunLayout(*self.runs[0]), self.qscale, self.levels_i8, self.l2,
+                                     qrows, cand, span)
         out_v = torch.empty(m, width, device=cand.device)
         out_i = torch.empty(m, width, dtype=torch.int64, device=cand.device)
         if m and width:
