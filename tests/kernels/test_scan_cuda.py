@@ -179,9 +179,11 @@ def test_rescore_equals_the_reference(name, dim, n, m, l2, span, subset):
 
 @needs_cuda
 def test_search_rescores_through_the_cuda_kernel(monkeypatch):
-    """A search of few queries re-scores its best tiles with the CUDA kernel where it reads the codes."""
+    """A search of few queries re-scores its best tiles with the CUDA kernel where it reads the codes (here also
+    below the rows from which it does so by default)."""
     from tqindex.kernels import scan_cuda
 
+    monkeypatch.setattr(scan_cuda, "RESCORE_MIN_ROWS", 1)
     calls = []
     real = scan_cuda.rescore
     monkeypatch.setattr(scan_cuda, "rescore", lambda *a, **kw: calls.append(1) or real(*a, **kw))

@@ -25,7 +25,6 @@ import torch
 from torch import Tensor
 
 from ..codes import Codes
-from . import multiprocessors
 from .planes import RunLayout, cdiv
 
 TILE = 256
@@ -41,12 +40,13 @@ void tile_max_launch(int64_t codes, int64_t norm, int64_t q, int64_t qstride, in
                      int64_t split, int64_t stream);
 void rescore_launch(int64_t codes, int64_t norm, int64_t q, int64_t qstride, int64_t half, int64_t qscale,
                     int64_t qrows, int64_t m, int64_t n, int64_t row_bytes, bool l2, const std::vector<double>& mags,
-                    int64_t cand, int64_t c, int64_t span, int64_t rows, int64_t out_v, int64_t out_i,
-                    int64_t stream);
+                    int64_t cand, int64_t c, int64_t span, int64_t out_v, int64_t out_i, int64_t stream);
 """
-RESCORE_ROWS = (1024, 512, 256, 128)
-"""Candidate rows per block of the re-scoring kernel (each block first writes its query's table of products): the most
-that still give every multiprocessor two blocks, else the fewest."""
+RESCORE_MIN_ROWS = 64 * 1024
+"""Candidate rows (all queries together) from which the re-scoring kernel scores them: on an H200 (10M x 128 tq4, CUDA
+graphs, L2 flushed) one query's 8,192 and 32,768 rows (k = 10, 100) took 17.2 and 18.0 us against the Triton
+kernel's 13.2 and 15.1 (too few blocks), 16 queries' 131,072 and 524,288 rows 18.8 and 32.4 us against 36.8 and
+116.4."""
 RESCORE_TABLE_BYTES = 200 * 1024
 """Largest table of products (16 float32 per coordinate) the re-scoring kernel keeps in shared memory: dims up to
 3,200."""
@@ -81,11 +81,12 @@ def reads(layouts: tuple, codes: Codes, m: int) -> bool:
     return 0 < m <= MAX_QUERIES and reads_codes(layouts, codes)
 
 
-def rescores(layouts: tuple, codes: Codes, width: int) -> bool:
-    """Whether the re-scoring kernel scores ``width`` candidate rows per query of these codes (:func:`reads_codes`):
-    at least a block's rows (else the Triton kernel, which builds no table), a table that fits."""
-    return (width >= RESCORE_ROWS[-1] and codes.qdata.shape[1] * 2 * 16 * 4 <= RESCORE_TABLE_BYTES
-            and reads_codes(layouts, codes))
+def rescores(layouts: tuple, codes: Codes, m: int, width: int) -> bool:
+    """Whether the re-scoring kernel scores ``width`` candidate rows for each of ``m`` queries of these codes
+    (:func:`reads_codes`): 1-16 queries (the scans it follows), at least RESCORE_MIN_ROWS rows in all, a table of
+    products that fits in shared memory."""
+    return (0 < m <= MAX_QUERIES and m * width >= RESCORE_MIN_ROWS
+            and codes.qdata.shape[1] * 2 * 16 * 4 <= RESCORE_TABLE_BYTES and reads_codes(layouts, codes))
 
 
 def reads_codes(layouts: tuple, codes: Codes) -> bool:
@@ -257,12 +258,10 @@ def rescore(codes: Codes, qp: Tensor, layout: RunLayout, qscale: Tensor, lv: Int
     out_v = torch.empty(m, c * span, device=qdata.device)
     out_i = torch.empty(m, c * span, dtype=torch.int64, device=qdata.device)
     rows = None if qrows is None else qrows.long().contiguous()
-    blocks = 2 * multiprocessors(qdata.device)
-    per_block = next((r for r in RESCORE_ROWS if m * cdiv(c * span, r) >= blocks), RESCORE_ROWS[-1])
     with torch.cuda.device(qdata.device):
         _module().rescore_launch(qdata.data_ptr(), norm.data_ptr(), qp.data_ptr(), qp.shape[1], layout.padded,
                                  qscale.data_ptr(), 0 if rows is None else rows.data_ptr(), m, qdata.shape[0],
-                                 qdata.shape[1], l2, lv.mags, cand.data_ptr(), c, span, per_block, out_v.data_ptr(),
+                                 qdata.shape[1], l2, lv.mags, cand.data_ptr(), c, span, out_v.data_ptr(),
                                  out_i.data_ptr(), torch.cuda.current_stream(qdata.device).cuda_stream)
     return out_v, out_i
 

@@ -668,7 +668,7 @@ class TritonScorer(Scorer):
         none -> (scores [m, c * span], -inf where none or past the end; rows int64 [m, c * span], -1 there). The CUDA
         kernel of ``scan_cuda`` scores them where it reads the codes."""
         m, width = cand.shape[0], cand.shape[1] * span
-        if self.cuda and scan_cuda.rescores(self.runs, codes, width):
+        if self.cuda and scan_cuda.rescores(self.runs, codes, m, width):
             return scan_cuda.rescore(codes, self.qp32, RunLayout(*self.runs[0]), self.qscale, self.levels_i8, self.l2,
                                      qrows, cand, span)
         out_v = torch.empty(m, width, device=cand.device)

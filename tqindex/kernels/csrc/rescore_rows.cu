@@ -6,7 +6,7 @@
 // coordinate i, and a row's score is then one shared-memory load and one add per code. Per coordinate the products
 // equal the Triton kernel's (float32); only the order of the sum differs.
 //
-// A block of THREADS threads takes ``rows`` consecutive places of one query's candidates (place k of query i stands for
+// A block of THREADS threads takes ROWS consecutive places of one query's candidates (place k of query i stands for
 // row cand[i][k / span] * span + k % span), a thread one row at a time: it reads the row's codes in 16-byte loads,
 // two in flight. The 32 rows of a warp read the same coordinate's sixteen products at a time: sixteen consecutive
 // words lie on distinct banks, so the loads never conflict.
@@ -20,16 +20,17 @@
 
 namespace rescore {
 
-constexpr int THREADS = 128;
+constexpr int THREADS = 256;
+constexpr int ROWS = 1024;  // places per block
 
 template <bool L2>
 __global__ void __launch_bounds__(THREADS)
     lut_kernel(const uint8_t* __restrict__ codes, const __half* __restrict__ norm, const float* __restrict__ q,
                int qstride, int half, const float* __restrict__ qscale, const int64_t* __restrict__ qrows,
                int64_t n, int row_bytes, float4 mlo, float4 mhi, const int64_t* __restrict__ cand, int64_t c,
-               int64_t span, int rows, int64_t blocks_per_query, float* __restrict__ out_v, int64_t* __restrict__ out_i) {
+               int64_t span, int64_t blocks_per_query, float* __restrict__ out_v, int64_t* __restrict__ out_i) {
   extern __shared__ float lut[];  // [dim][16], then the levels [16] and their squares [16]
-  const int64_t i = blockIdx.x / blocks_per_query, first = blockIdx.x % blocks_per_query * rows;
+  const int64_t i = blockIdx.x / blocks_per_query, first = blockIdx.x % blocks_per_query * ROWS;
   const int64_t j = qrows ? qrows[i] : i;
   const int dim = 2 * row_bytes;
   float* level = lut + dim * 16;
@@ -50,7 +51,7 @@ __global__ void __launch_bounds__(THREADS)
   __syncthreads();
   const float qs = qscale[j];
   const int64_t width = c * span;
-  const int64_t end = first + rows < width ? first + rows : width;
+  const int64_t end = first + ROWS < width ? first + ROWS : width;
   for (int64_t k = first + threadIdx.x; k < end; k += THREADS) {
     const int64_t entry = cand[i * c + k / span], row = entry * span + k % span;
     const bool ok = entry >= 0 && row < n;
@@ -90,13 +91,12 @@ __global__ void __launch_bounds__(THREADS)
 // 0: i) of q (the Triton scan's planar float32 queries: row stride qstride, coordinate 2g + h at h * half + g;
 // qscale float32 [m]) over n code rows of row_bytes bytes (a multiple of 32, 16-byte aligned) with float16 norms;
 // mags: the run's eight ascending magnitudes (code c < 8: -mags[7 - c], else mags[c - 8]); l2: minus each row's
-// squared norm times its levels' squares; rows: candidate places per block. Pointers and the stream as integers.
+// squared norm times its levels' squares. Pointers and the stream as integers.
 void rescore_launch(int64_t codes, int64_t norm, int64_t q, int64_t qstride, int64_t half, int64_t qscale,
                     int64_t qrows, int64_t m, int64_t n, int64_t row_bytes, bool l2, const std::vector<double>& mags,
-                    int64_t cand, int64_t c, int64_t span, int64_t rows, int64_t out_v, int64_t out_i,
-                    int64_t stream) {
+                    int64_t cand, int64_t c, int64_t span, int64_t out_v, int64_t out_i, int64_t stream) {
   using namespace rescore;
-  const int64_t width = c * span, per_query = (width + rows - 1) / rows;
+  const int64_t width = c * span, per_query = (width + ROWS - 1) / ROWS;
   if (m == 0 || width == 0) return;
   const int smem = int((2 * row_bytes * 16 + 32) * sizeof(float));
   auto kernel = l2 ? lut_kernel<true> : lut_kernel<false>;
@@ -107,7 +107,7 @@ void rescore_launch(int64_t codes, int64_t norm, int64_t q, int64_t qstride, int
       reinterpret_cast<const uint8_t*>(codes), reinterpret_cast<const __half*>(norm),
       reinterpret_cast<const float*>(q), (int)qstride, (int)half, reinterpret_cast<const float*>(qscale),
       reinterpret_cast<const int64_t*>(qrows), n, (int)row_bytes, lo, hi, reinterpret_cast<const int64_t*>(cand), c,
-      span, (int)rows, per_query, reinterpret_cast<float*>(out_v), reinterpret_cast<int64_t*>(out_i));
+      span, per_query, reinterpret_cast<float*>(out_v), reinterpret_cast<int64_t*>(out_i));
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) throw std::runtime_error(std::string("rescore kernel: ") + cudaGetErrorString(e));
 }
