@@ -132,7 +132,8 @@ def _check(device: torch.device) -> bool:
         ok &= bool(torch.allclose(tile_maxima(*args), ref, rtol=0, atol=1e-5 * float(ref.abs().max())))
         cand = torch.tensor([[2, -1, 0]], device=device).expand(m, 3)
         (v, i), (rv, ri) = rescore(*args, None, cand, TILE), rescore_ref(*args, None, cand, TILE)
-        ok &= bool(torch.equal(i, ri) and torch.allclose(v, rv, rtol=1e-5, atol=1e-5 * float(rv[ri >= 0].abs().max())))
+        top = float(rv[ri >= 0].abs().max())
+        ok &= bool(torch.equal(i, ri) and torch.allclose(v, rv, rtol=1e-5, atol=1e-5 * top))
     if not ok:
         warnings.warn("the CUDA scan kernels differ from their references here; the Triton kernels scan",
                       RuntimeWarning, stacklevel=3)
@@ -272,7 +273,8 @@ def rescore_ref(codes: Codes, qp: Tensor, layout: RunLayout, qscale: Tensor, lv:
     coordinate order, summed in float64."""
     qdata = codes.qdata
     n, (m, c) = len(qdata), cand.shape
-    q = coordinate_order(qp, layout).double()[slice(None) if qrows is None else qrows.long()]  # [m, d]
+    which = slice(None) if qrows is None else qrows.long()
+    q, qs = coordinate_order(qp, layout).double()[which], qscale.double()[which]  # [m, d], [m]
     place = torch.arange(c * span, device=cand.device)
     entry = cand.long()[:, place // span]
     rows = entry * span + place % span
@@ -283,7 +285,7 @@ def rescore_ref(codes: Codes, qp: Tensor, layout: RunLayout, qscale: Tensor, lv:
     b = qdata[rows.clamp_min(0)].long()  # [m, c * span, bytes]
     lev = levels[torch.stack([b & 15, b >> 4], 3).flatten(2)]  # [m, c * span, d]: coordinate 2g: low nibble of g
     s = codes.norm.double()[rows.clamp_min(0)]
-    scores = (lev @ q[:, :, None]).squeeze(2) * s * qscale.double()[slice(None) if qrows is None else qrows.long(), None]
+    scores = (lev @ q[:, :, None]).squeeze(2) * s * qs[:, None]
     if l2:
         scores -= s * s * lev.square().sum(2)
     return torch.where(ok, scores, float("-inf")).float(), rows
