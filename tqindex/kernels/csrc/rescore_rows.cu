@@ -84,7 +84,7 @@ __global__ void __launch_bounds__(THREADS)
   }
 }
 
-}  // namespace
+}  // namespace rescore
 
 // Exact float32 scores out_v [m, c * span] and rows out_i int64 [m, c * span] (-inf and -1 for none) of the
 // candidates cand int64 [m, c] (rows, or tiles of span rows; -1 for none) of m queries: query qrows[i] (int64 [m];
