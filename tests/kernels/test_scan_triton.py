@@ -217,3 +217,20 @@ def test_best_tiles_rescored(monkeypatch, nq, k, metric):
     codes = index._state.lists[0].live_codes
     vals, cand, exact = TritonScorer(index.encoder, index.encoder.rotate(q), metric == "l2").candidates(codes, k)
     assert exact and vals.shape == (nq, st.candidate_depth(k) * 16) and (cand < 3999).all()  # best tiles only
+
+
+@pytest.mark.parametrize("n, nq, way", [(100, 3, "topk"), (3999, 2, "tiles"), (3999, 40, "filter")])
+def test_candidates_synchronize_only_to_filter(monkeypatch, n, nq, way):
+    """``synchronizes`` says whether finding the candidates waits for the device: only the filtering scan does
+    (its check for overflowing queries); the running top-k and the best tiles only launch kernels."""
+    st = small_tiles(monkeypatch)
+    monkeypatch.setattr(st, "SAMPLE_FRACTION", 3)
+    checks = []
+    real = st.any_true
+    monkeypatch.setattr(st, "any_true", lambda flag: checks.append(1) or real(flag))
+    index = flat("tq4", 64, "ip", data(n, 64, 17).to(DEVICE))
+    codes = index._state.lists[0].live_codes
+    scorer = st.TritonScorer(index.encoder, index.encoder.rotate(data(nq, 64, 18).to(DEVICE)), False)
+    assert scorer._candidates_plan(codes, 5, nq)[0] == way
+    scorer.candidates(codes, 5)
+    assert scorer.synchronizes(codes, 5) == bool(checks) == (way == "filter")

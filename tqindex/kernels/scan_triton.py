@@ -619,13 +619,11 @@ class TritonScorer(Scorer):
         tiles (TILE_QUERIES, TILE_ROWS), scored exactly; else the top-k of a sample bounds the k-th best and a
         filtering scan keeps the rows that reach it (queries whose candidates overflow are scanned again with a
         running top-k)."""
-        n, kt, m = len(codes), candidate_depth(k), self.m if rows is None else len(rows)
-        block_n = scan_cuda.TILE if self._cuda_tiles(codes, m) else self._common(m, MODE_TILE_MAX)["BLOCK_N"]
-        group = max(1, TILE_ROWS // block_n) if m > TILE_QUERIES else 1
-        sample = max(n // SAMPLE_FRACTION, SAMPLE_TILES * kt * block_n)
-        if n <= 2 * sample:
+        kt, m = candidate_depth(k), self.m if rows is None else len(rows)
+        way, block_n, group, sample = self._candidates_plan(codes, k, m)
+        if way == "topk":
             return *self.scan(codes, k, rows)[:2], False
-        if m * kt * block_n <= sample if m <= TILE_QUERIES else kt * block_n * group * BATCH_TILE_SHARE <= n:
+        if way == "tiles":
             maxima, _, _ = self.scan(codes, k, rows, MODE_TILE_MAX, group=group)  # [m, tiles]
             return *self.rescore(rows, codes, top_columns(maxima, kt, "triton")[1], block_n * group), True
         maxima, _, _ = self.scan(codes[:sample], k, rows, MODE_TILE_MAX)  # [m, tiles]
@@ -641,6 +639,25 @@ class TritonScorer(Scorer):
             vals[over] = torch.nn.functional.pad(v2, (0, width - v2.shape[1]), value=float("-inf"))
             cand[over] = torch.nn.functional.pad(c2, (0, width - c2.shape[1]), value=-1)
         return vals, cand, False
+
+    def _candidates_plan(self, codes: Codes, k: int, m: int) -> tuple[str, int, int, int]:
+        """How :meth:`candidates` finds m queries' candidates over codes: "topk" (a running top-k), "tiles" (the
+        best tiles' rows) or "filter" (a sampled bound, then a filtering scan), with the rows per tile, the tiles'
+        group and the sampled rows."""
+        n, kt = len(codes), candidate_depth(k)
+        block_n = scan_cuda.TILE if self._cuda_tiles(codes, m) else self._common(m, MODE_TILE_MAX)["BLOCK_N"]
+        group = max(1, TILE_ROWS // block_n) if m > TILE_QUERIES else 1
+        sample = max(n // SAMPLE_FRACTION, SAMPLE_TILES * kt * block_n)
+        if n <= 2 * sample:
+            return "topk", block_n, group, sample
+        if m * kt * block_n <= sample if m <= TILE_QUERIES else kt * block_n * group * BATCH_TILE_SHARE <= n:
+            return "tiles", block_n, group, sample
+        return "filter", block_n, group, sample
+
+    def synchronizes(self, codes: Codes, k: int) -> bool:
+        """Whether :meth:`candidates` of every query over codes waits for the device (the filtering scan's check
+        for overflowing queries); else it only launches kernels, and can be captured into a CUDA graph."""
+        return self._candidates_plan(codes, k, self.m)[0] == "filter"
 
     def push(self, codes: Codes, labels: Tensor | int, top: TopK, rows: Tensor | None = None,
              offset: Tensor | None = None, shift: Tensor | None = None) -> None:
