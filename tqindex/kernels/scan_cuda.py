@@ -171,11 +171,10 @@ def int8_levels(mags: Tensor) -> Int8Levels:
     return Int8Levels(levels, float(torch.tensor(top / 126, dtype=torch.float32)), words, mags.tolist())
 
 
-def _row_levels(codes: Codes, lv: Int8Levels) -> Tensor:
-    """The int8 levels of every coordinate of codes [n] (one 4-bit run), float64 [n, 2 * row_bytes]."""
-    q = codes.qdata
-    nib = torch.stack([q & 15, q >> 4], 2).reshape(len(q), -1).long()  # coordinate 2i: low nibble of byte i
-    return lv.levels.to(q.device).double()[nib]
+def _code_levels(qdata: Tensor, levels: Tensor) -> Tensor:
+    """The levels (``levels`` [16], indexed by code) of every coordinate of 4-bit code rows qdata uint8 [..., bytes]
+    -> [..., 2 * bytes] (coordinate 2i: the low nibble of byte i)."""
+    return levels[torch.stack([qdata & 15, qdata >> 4], -1).flatten(-2).long()]
 
 
 def _int8_queries(queries: Tensor) -> tuple[Tensor, Tensor]:
@@ -191,7 +190,7 @@ def tile_maxima_ref(codes: Codes, qp: Tensor, layout: RunLayout, qscale: Tensor,
     """The reference of :func:`tile_maxima` (same arguments): the int8 roundings and exact sums of the kernel in
     PyTorch, then each tile's maximum."""
     q8, mx = _int8_queries(coordinate_order(qp, layout))
-    lev = _row_levels(codes, lv)  # [n, d]
+    lev = _code_levels(codes.qdata, lv.levels.to(codes.qdata.device).double())  # [n, d]
     nv = codes.norm.float()
     sc = qscale.float() * lv.scale * mx / 127
     scores = (lev @ q8.T).float() * nv[:, None] * sc[None, :]
@@ -282,8 +281,7 @@ def rescore_ref(codes: Codes, qp: Tensor, layout: RunLayout, qscale: Tensor, lv:
     rows = torch.where(ok, rows, -1)
     mags = torch.tensor(lv.mags, dtype=torch.float64, device=qdata.device)
     levels = torch.cat([-mags.flip(0), mags])  # code c < 8: -mags[7 - c]
-    b = qdata[rows.clamp_min(0)].long()  # [m, c * span, bytes]
-    lev = levels[torch.stack([b & 15, b >> 4], 3).flatten(2)]  # [m, c * span, d]: coordinate 2g: low nibble of g
+    lev = _code_levels(qdata[rows.clamp_min(0)], levels)  # [m, c * span, d]
     s = codes.norm.double()[rows.clamp_min(0)]
     scores = (lev @ q[:, :, None]).squeeze(2) * s * qs[:, None]
     if l2:
