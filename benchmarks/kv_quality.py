@@ -29,11 +29,12 @@ named ``{preset}-r{residual_length}-p{protected_layers}[-s{sink_length}]`` (``-s
 encoded), keys centered (``center_keys``) unless the name ends in ``-nc``, keys stored with the scale that
 makes their inner products unbiased (the ``tq{b}-unbiased`` encoders, where ``tq{b}`` keeps their norms) with
 ``-ku``, values likewise with ``-vu`` (attention's output is then unbiased: ``tq{b}`` values point along their
-code, so each is shrunk along its own direction by the code's cosine), with per-channel key scales
-(:func:`tqindex.kv.key_scales`, calibrated on the third text below) with ``-ks``;
-``policy-b{bits}[-r{N}][-ks][-vu]``: a per-layer policy chosen by :func:`tqindex.kv.calibrate` for an average of
+code, so each is shrunk along its own direction by the code's cosine), with key scales
+(:func:`tqindex.kv.key_scales`, calibrated on the third text below) per channel with ``-ks``, a matrix per KV head
+with ``-km``;
+``policy-b{bits}[-r{N}][-ks|-km][-vu]``: a per-layer policy chosen by :func:`tqindex.kv.calibrate` for an average of
 at most ``bits`` bits per element at ``--tokens`` tokens of context, with ``TQCache``'s default sink tokens and a
-window of N tokens in every layer (``-ks``: measured and kept with key scales; ``-vu``: values measured and
+window of N tokens in every layer (``-ks`` / ``-km``: measured and kept with those key scales; ``-vu``: values measured and
 chosen among ``tq{b}-unbiased``), measured under real decoding behind
 that window and calibrated on a third text
 (:data:`_lm.CALIBRATION_TOPICS`, disjoint from both). tqindex runs use the ``"tqindex"`` attention
@@ -57,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import json
 import math
 import re
@@ -97,9 +99,10 @@ DEFAULT_CONFIGS = (
 )
 QUICK_CONFIGS = ("dynamic", "tq4-r128-p2")
 CALIBRATION: dict[str, Any] = {}
-"""``key_scales``, the sensitivities (:func:`sensitivity_name`: with unscaled or scaled keys, behind a window;
-measured once per run by :func:`main`) and ``context_tokens``: what ``-ks`` and ``policy-b*`` configurations are
-built from."""
+"""The key scales (``ks``: per channel, ``km``: matrices), the sensitivities (:func:`sensitivity_name`: with
+unscaled or scaled keys, behind a window; measured once per run by :func:`main`) and ``context_tokens``: what
+``-ks``, ``-km`` and ``policy-b*`` configurations are built from."""
+SCALE_FORMS = {"ks": "per-channel key scales", "km": "key scale matrices"}
 
 
 # ------------------------------------------------------------------------------ configurations
@@ -117,14 +120,14 @@ class CacheSpec:
     residual_length: int | None = None
     protected_layers: int | None = None
     budget_bits: float | None = None
-    key_scales: bool = False
+    key_scales: str = ""  # "", or a SCALE_FORMS key
     values_unbiased: bool = False  # policies: measured and chosen among tq{b}-unbiased values
 
 
-def sensitivity_name(scaled: bool, window: int, values_unbiased: bool = False) -> str:
-    """The CALIBRATION entry of the sensitivity measured with key scales or not, behind a window of ``window``,
-    with plain or unbiased values."""
-    return "sensitivity" + (f"-r{window}" if window else "") + ("-ks" if scaled else "") + (
+def sensitivity_name(scaled: str, window: int, values_unbiased: bool = False) -> str:
+    """The CALIBRATION entry of the sensitivity measured with key scales of form ``scaled`` (a SCALE_FORMS key) or
+    none (""), behind a window of ``window``, with plain or unbiased values."""
+    return "sensitivity" + (f"-r{window}" if window else "") + (f"-{scaled}" if scaled else "") + (
         "-vu" if values_unbiased else "")
 
 
@@ -149,11 +152,11 @@ def cache_spec(name: str) -> CacheSpec:
         return CacheSpec(name, "tqindex", "tqindex FP8Cache: E4M3, one scale per token and head",
                          lambda cfg: FP8Cache(cfg))
     if name.startswith("policy-b"):
-        policy_match = re.fullmatch(r"policy-b(\d+(?:\.\d+)?)(?:-r(\d+))?(-ks)?(-vu)?", name)
+        policy_match = re.fullmatch(r"policy-b(\d+(?:\.\d+)?)(?:-r(\d+))?(?:-(ks|km))?(-vu)?", name)
         if not policy_match:
-            raise ValueError(f"policy configuration must look like 'policy-b3.25[-r8][-ks][-vu]', got {name!r}")
+            raise ValueError(f"policy configuration must look like 'policy-b3.25[-r8][-ks|-km][-vu]', got {name!r}")
         bits, window = float(policy_match[1]), int(policy_match[2] or 0)
-        scaled, values_unbiased = bool(policy_match[3]), bool(policy_match[4])
+        scaled, values_unbiased = policy_match[3] or "", bool(policy_match[4])
         measured = sensitivity_name(scaled, window, values_unbiased)
 
         def make_policy(cfg: Any) -> Any:
@@ -165,7 +168,7 @@ def cache_spec(name: str) -> CacheSpec:
 
         return CacheSpec(name, "tqindex", f"TQCache with a per-layer policy calibrated for <= {bits:g} bits "
                          f"per element, window {window}, the first {SINK_LENGTH} tokens never encoded"
-                         + (", calibrated key scales" if scaled else "")
+                         + (f", calibrated {SCALE_FORMS[scaled]}" if scaled else "")
                          + (", values scaled to be unbiased" if values_unbiased else ""), make_policy, "tqindex",
                          residual_length=window, budget_bits=bits, key_scales=scaled, values_unbiased=values_unbiased)
     if name.startswith("quanto-int"):
@@ -178,11 +181,12 @@ def cache_spec(name: str) -> CacheSpec:
                          f"QuantizedCache quanto int{bits}, groups of 64, residual {res}",
                          lambda cfg: QuantizedCache("quanto", cfg, nbits=bits, residual_length=res),
                          residual_length=res)
-    cfg_match = re.fullmatch(r"(\w+)-r(\d+)-p(\d+)(?:-s(\d+))?(-nc)?(-ku)?(-vu)?(-ks)?", name)
+    cfg_match = re.fullmatch(r"(\w+)-r(\d+)-p(\d+)(?:-s(\d+))?(-nc)?(-ku)?(-vu)?(?:-(ks|km))?", name)
     pair = cfg_match and re.fullmatch(f"k([{TQ_BITS}])v([{TQ_BITS}])", cfg_match[1])
     if cfg_match and (cfg_match[1] in TQ_PRESETS or pair):
         preset, res, prot, sink = (cfg_match[1], *(int(g or 0) for g in cfg_match.groups()[1:4]))
-        center, unbiased, values_unbiased, scaled = (not cfg_match[5], *(bool(g) for g in cfg_match.groups()[5:8]))
+        center, unbiased, values_unbiased = not cfg_match[5], bool(cfg_match[6]), bool(cfg_match[7])
+        scaled = cfg_match[8] or ""
         kenc, venc = (preset, preset) if not pair else (f"tq{pair[1]}", f"tq{pair[2]}")
         if (unbiased or values_unbiased) and preset == "fp4":
             raise ValueError(f"configuration {name!r}: -ku / -vu rescale TurboQuant codes, fp4 has none")
@@ -194,15 +198,16 @@ def cache_spec(name: str) -> CacheSpec:
                 return TQCache(cfg, key_encoder=kenc, value_encoder=venc, residual_length=res,
                                protected_layers=prot, center_keys=center, sink_length=sink,
                                encode_stride=ENCODE_STRIDE)
-            if "key_scales" not in CALIBRATION:
-                raise RuntimeError("-ks configurations need the key scales measured by main()")
+            if scaled not in CALIBRATION:
+                raise RuntimeError(f"-{scaled} configurations need the key scales measured by main()")
             policy = KVPolicy.uniform(len(DynamicCache(config=cfg).layers), kenc, venc, res, prot, center)
-            return TQCache(cfg, policy=policy.with_key_scales(CALIBRATION["key_scales"]), sink_length=sink,
+            return TQCache(cfg, policy=policy.with_key_scales(CALIBRATION[scaled]), sink_length=sink,
                            encode_stride=ENCODE_STRIDE)
 
         kv = f"tq{pair[1]} keys, tq{pair[2]} values" if pair else (
             "FP4-UE8M0 keys + values" if preset == "fp4" else f"{preset} keys + values")
-        keys = (("centered keys" if center else "keys not centered") + (", calibrated key scales" if scaled else "")
+        keys = (("centered keys" if center else "keys not centered")
+                + (f", calibrated {SCALE_FORMS[scaled]}" if scaled else "")
                 + (", keys scaled for unbiased inner products" if unbiased else "")
                 + (", values scaled to be unbiased" if values_unbiased else ""))
         sinks = f", the first {sink} tokens never encoded" if sink else ""
@@ -210,7 +215,7 @@ def cache_spec(name: str) -> CacheSpec:
                          f"TQCache {kv}, residual {res}, {prot}+{prot} protected layers, {keys}{sinks}", make,
                          "tqindex", preset, res, prot, key_scales=scaled)
     known = ("dynamic, fp8, fp8-tq, quanto-int{2,4}-r{N}, {" + ",".join(TQ_PRESETS) + f",k[{TQ_BITS}]v[{TQ_BITS}]"
-             + "}-r{N}-p{N}[-s{N}][-nc][-ku][-vu][-ks], policy-b{bits}[-r{N}][-ks][-vu]")
+             + "}-r{N}-p{N}[-s{N}][-nc][-ku][-vu][-ks|-km], policy-b{bits}[-r{N}][-ks|-km][-vu]")
     raise ValueError(f"unknown configuration {name!r}; known forms: {known}")
 
 
@@ -601,12 +606,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         t1 = time.perf_counter()
         text = _lm.calibration_text()
         ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[:, :args.calibration_tokens]
-        CALIBRATION.update(key_scales=key_scales(model, ids), context_tokens=args.tokens)
+        CALIBRATION.update({form: key_scales(model, ids, per_channel=form == "ks")
+                            for form in {s.key_scales for s in specs} - {""}}, context_tokens=args.tokens)
         for scaled, window, unbiased in sorted({(s.key_scales, s.residual_length, s.values_unbiased)
                                                 for s in specs if s.budget_bits is not None}):
             CALIBRATION[sensitivity_name(scaled, window, unbiased)] = measure_sensitivity(
                 model, ids, prefix=ids.shape[1] - args.calibration_scored, scored=args.calibration_scored,
-                key_scales=CALIBRATION["key_scales"] if scaled else None, residual_length=window,
+                key_scales=CALIBRATION[scaled] if scaled else None, residual_length=window,
                 unbiased_values=unbiased)
         policies = {spec.name: policy_for_budget(
                         CALIBRATION[sensitivity_name(spec.key_scales, spec.residual_length, spec.values_unbiased)],
@@ -615,10 +621,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         calibration = {"text": _lm.text_info(text, _lm.CALIBRATION_TOPICS), "tokens": ids.shape[1],
                        "scored": args.calibration_scored,
                        "context_tokens": args.tokens, "time_s": time.perf_counter() - t1,
-                       **{m: v.to_dict() for m, v in CALIBRATION.items() if m.startswith("sensitivity")},
-                       "key_scales": [None if t is None else t.tolist() for t in CALIBRATION["key_scales"]],
+                       **{m: {**v.to_dict(), "key_scales": None}
+                          for m, v in CALIBRATION.items() if m.startswith("sensitivity")},
+                       "key_scales": {form: _digest(CALIBRATION[form]) for form in SCALE_FORMS if form in CALIBRATION},
                        "policies": {name: {"bits": p.calibration["bits"], "predicted_kl": p.calibration["predicted_kl"],
-                                           "describe": p.describe(), "policy": p.to_dict()}
+                                           "describe": p.describe(), "policy": _without_scales(p.to_dict())}
                                     for name, p in policies.items()}}
 
     result = {
@@ -632,6 +639,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         report = write(result, args.out)  # after every configuration: an interrupted run keeps what it measured
     print(report)
     return result
+
+
+def _digest(scales: list[Any]) -> dict[str, Any]:
+    """Key scales as the JSON records them (the matrices would take megabytes; main() computes them again from
+    the model and the calibration text): per layer the shape or None, and the SHA-256 of their float32 bytes."""
+    h = hashlib.sha256()
+    for t in scales:
+        if t is not None:
+            h.update(t.float().contiguous().numpy().tobytes())
+    return {"shapes": [None if t is None else list(t.shape) for t in scales], "sha256": h.hexdigest()}
+
+
+def _without_scales(policy: dict[str, Any]) -> dict[str, Any]:
+    """A policy's dict with each layer's key scale replaced by True (see :func:`_digest`)."""
+    return {**policy, "layers": [{**layer, "key_scale": True} if "key_scale" in layer else layer
+                                 for layer in policy["layers"]]}
 
 
 def write(result: dict[str, Any], out: Path | None) -> str:

@@ -45,14 +45,18 @@ def test_every_default_configuration_parses():
     assert "centered keys" in spec.description and "not centered" in kv_quality.cache_spec("tq4-r0-p0-nc").description
     assert kv_quality.cache_spec("policy-b2.5").budget_bits == 2.5
     spec = kv_quality.cache_spec("policy-b3.25-r8-ks")
-    assert (spec.budget_bits, spec.residual_length, spec.key_scales) == (3.25, 8, True)
-    assert kv_quality.sensitivity_name(True, 8) == "sensitivity-r8-ks"
+    assert (spec.budget_bits, spec.residual_length, spec.key_scales) == (3.25, 8, "ks")
+    assert kv_quality.sensitivity_name("ks", 8) == "sensitivity-r8-ks"
+    spec = kv_quality.cache_spec("policy-b3.25-r16-km-vu")
+    assert (spec.key_scales, spec.values_unbiased) == ("km", True) and "key scale matrices" in spec.description
+    assert kv_quality.sensitivity_name("km", 16, True) == "sensitivity-r16-km-vu"
     spec = kv_quality.cache_spec("policy-b2.5-r8-vu")
-    assert (spec.budget_bits, spec.residual_length, spec.key_scales, spec.values_unbiased) == (2.5, 8, False, True)
+    assert (spec.budget_bits, spec.residual_length, spec.key_scales, spec.values_unbiased) == (2.5, 8, "", True)
     assert "values scaled to be unbiased" in spec.description
-    assert kv_quality.sensitivity_name(False, 8, True) == "sensitivity-r8-vu"
+    assert kv_quality.sensitivity_name("", 8, True) == "sensitivity-r8-vu"
     spec = kv_quality.cache_spec("tq3-r0-p0-s4-nc-ku-ks")
-    assert all(s in spec.description for s in ("first 4 tokens", "not centered", "unbiased", "key scales"))
+    assert all(s in spec.description for s in ("first 4 tokens", "not centered", "unbiased", "per-channel key scales"))
+    assert kv_quality.cache_spec("tq3-r0-p0-s4-ku-km").key_scales == "km"
 
 
 def test_sinks_and_unbiased_codes_reach_the_cache():
@@ -84,7 +88,7 @@ def test_the_half_fp8_bytes_target_takes_the_best_row_at_half_the_bytes():
 
 
 @pytest.mark.parametrize("name", ["k9v4-r0-p0", "tq5-r0-p0", "tq4-r128", "quanto-int4", "fp16", "tq4-rx-p2", "policy-bx",
-                                  "policy-b3-rx", "policy-b3-ks-r8",
+                                  "policy-b3-rx", "policy-b3-ks-r8", "policy-b3-r8-ks-km",
                                   "tq4-r0-p0-ks-ku", "tq4-r0-p0-s4-s4", "tq4-r0-p0-x", "fp4-r0-p0-ku", "fp4-r0-p0-vu",
                                   "tq4-r0-p0-vu-ku"])
 def test_unknown_configuration_is_rejected(name):

@@ -1,5 +1,5 @@
-"""Per-channel key scales: keys held divided by s, queries multiplied by s (KVStore, attention, policies,
-TQCache, calibration)."""
+"""Key scales: per channel (keys held divided by s, queries multiplied by s) or per head a matrix M (keys held
+times M⁻¹, queries times Mᵀ) in KVStore, attention, policies, TQCache and calibration."""
 
 import pytest
 import torch
@@ -7,6 +7,7 @@ import torch
 import tqindex as tq
 from tqindex.kv import KVPolicy, KVStore, LayerPolicy, TQCache, key_scales
 from tqindex.kv.attention import compressed_attention, compressed_attention_ref, dense_attention
+from tqindex.kv.calibrate import _scale
 
 from tiny import CACHE_KW, llama_config, prompt, seeded
 
@@ -30,12 +31,26 @@ def filled(scale, keys, values, encoder="tq3", residual=0):
     return store
 
 
-def test_scaled_keys_leave_attention_unchanged_and_keys_decode_back():
+def random_scale(kind: str, seed: int) -> torch.Tensor:
+    """A per-channel scale [H, D] or an invertible matrix per head [H, D, D] (rotation times channel scales)."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.rand(H, D, generator=g) + 0.5
+    if kind == "channels":
+        return scale
+    rotation = torch.linalg.qr(torch.randn(H, D, D, generator=g))[0]
+    return rotation * scale[:, None, :]
+
+
+@pytest.mark.parametrize("kind", ["channels", "matrices"])
+def test_scaled_keys_leave_attention_unchanged_and_keys_decode_back(kind):
     keys, values, q = anisotropic(50, 0)
-    scale = torch.rand(H, D, generator=torch.Generator().manual_seed(1)) + 0.5
+    scale = random_scale(kind, 1)
     store = filled(scale, keys, values, "tq8", residual=60)  # everything in the exact window
     k_view, v_view = store.view()
-    assert torch.equal(k_view.query_scale[0, :, 0], scale)
+    if kind == "channels":
+        assert torch.equal(k_view.query_scale[0, :, 0], scale)
+    else:
+        assert torch.equal(k_view.query_scale, scale.mT)
     want = dense_attention(q, keys, values, None, 0.125)
     for got in (compressed_attention(q, k_view, v_view, None, 0.125, backend="torch"),
                 compressed_attention_ref(q, k_view, v_view, None, 0.125)):
@@ -43,6 +58,32 @@ def test_scaled_keys_leave_attention_unchanged_and_keys_decode_back():
     store = filled(scale, keys, values, "tq8")  # now in codes: decoded keys come back unscaled
     decoded = store.materialize_keys()
     assert ((decoded - keys).norm() / keys.norm()) < 0.01
+    k_view, v_view = store.view()
+    exact = dense_attention(q, store.materialize_keys(torch.float32), store.materialize_values(torch.float32),
+                            None, 0.125)
+    for got in (compressed_attention(q, k_view, v_view, None, 0.125, backend="torch"),
+                compressed_attention_ref(q, k_view, v_view, None, 0.125)):
+        torch.testing.assert_close(got, exact, rtol=1e-3, atol=1e-4)  # attention reads the codes as decoded
+
+
+def score_errors(keys, q, scales):
+    """Relative error of the scores of q's two query heads per KV head over the keys as a tq3 store holds them."""
+    errors = {}
+    for name, s in scales.items():
+        store = filled(s, keys, torch.zeros_like(keys))
+        k_view, _ = store.view()
+        qs = q.float() if s is None else tq.kv.attention._scaled_queries(q, k_view)
+        scores = qs.reshape(1, H, 2, D) @ k_view.materialize().mT  # the stored keys as attention reads them
+        exact = q.reshape(1, H, 2, D) @ (keys - store.key_offset).mT
+        errors[name] = float((scores - exact).norm() / exact.norm())
+    return errors
+
+
+def moments(keys, q):
+    """(queries' second moments, centered keys' covariance) per KV head, float64 [H, D, D]."""
+    qh = q.double().reshape(H, -1, D)
+    k = (keys - keys.mean(2, keepdim=True))[0].double()
+    return qh.mT @ qh / qh.shape[1], k.mT @ k / k.shape[2]
 
 
 def test_scales_shrink_the_score_error_where_keys_and_queries_are_anisotropic():
@@ -50,23 +91,42 @@ def test_scales_shrink_the_score_error_where_keys_and_queries_are_anisotropic():
     q2 = q.reshape(1, H, 2, D).square().mean(2)
     k2 = (keys - keys.mean(2, keepdim=True)).square().mean(2)[0]
     scale = (k2 / q2[0]).pow(0.25)  # sqrt(rms k / rms q), per head and channel
-    errors = {}
-    for name, s in (("none", None), ("scaled", scale)):
-        store = filled(s, keys, values)
-        k_view, _ = store.view()
-        qs = q.float() if s is None else q * s.repeat_interleave(2, 0)[None, :, None]
-        scores = qs.reshape(1, H, 2, D) @ k_view.materialize().mT  # the stored keys as attention reads them
-        exact = q.reshape(1, H, 2, D) @ (keys - store.key_offset).mT
-        errors[name] = float((scores - exact).norm() / exact.norm())
+    assert torch.allclose(_scale(*moments(keys, q), 1.0, True), scale / scale.log().mean(-1, keepdim=True).exp())
+    errors = score_errors(keys, q, {"none": None, "scaled": scale})
     assert errors["scaled"] < 0.5 * errors["none"], errors
+
+
+def test_matrices_shrink_the_score_error_where_the_anisotropy_is_not_along_channels():
+    keys, values, q = anisotropic(400, 3)
+    rotation = torch.linalg.qr(torch.randn(D, D, generator=torch.Generator().manual_seed(4)))[0]
+    keys, q = keys @ rotation, q @ rotation  # scores unchanged, large key directions no longer channels
+    a, c = moments(keys, q)
+    scales = {"none": None, "channels": _scale(a, c, 1.0, True), "matrices": _scale(a, c, 1.0, False),
+              "half": _scale(a, c, 0.5, False)}
+    assert torch.allclose(torch.linalg.det(scales["matrices"].double()), torch.ones(H, dtype=torch.float64))
+    torch.testing.assert_close(scales["half"] @ scales["half"], scales["matrices"], rtol=1e-3, atol=1e-4)
+    errors = score_errors(keys, q, scales)
+    assert errors["matrices"] < 0.5 * errors["none"] and errors["matrices"] < 0.6 * errors["channels"], errors
+    assert errors["half"] < errors["none"], errors
+
+
+def test_matrices_of_diagonal_moments_are_the_channel_scales():
+    g = torch.Generator().manual_seed(5)
+    a, c = (torch.diag_embed(torch.rand(H, D, generator=g, dtype=torch.float64) + 0.1) for _ in range(2))
+    matrices, channels = _scale(a, c, 1.0, False), _scale(a, c, 1.0, True)
+    torch.testing.assert_close(matrices, torch.diag_embed(channels), rtol=2e-3, atol=1e-6)  # up to the ridge
 
 
 def test_store_and_policy_validate_scales(tmp_path):
     enc = tq.make_encoder("tq4", D)
-    for bad in (torch.ones(H, D + 1), torch.zeros(H, D), torch.full((H, D), float("inf")), [[1.0] * D]):
+    singular = torch.eye(D).repeat(H, 1, 1)
+    singular[:, 0] = 0
+    for bad in (torch.ones(H, D + 1), torch.zeros(H, D), torch.full((H, D), float("inf")), [[1.0] * D],
+                torch.ones(H, D, D + 1), singular, torch.full((H, D, D), float("nan")), torch.ones(H, 2, D, D)):
         with pytest.raises(ValueError, match="key_scale"):
             KVStore(enc, enc, 0, key_scale=bad)
-    for bad in ([[1.0, -1.0]], [[1.0], [1.0, 2.0]], [], [[True]]):
+    for bad in ([[1.0, -1.0]], [[1.0], [1.0, 2.0]], [], [[True]], [[[1.0, 0.0]]], [[[1.0], [2.0, 3.0]]],
+                [[[[1.0]]]], [[1.0], [[1.0]]]):
         with pytest.raises(ValueError, match="key_scale"):
             LayerPolicy("tq4", "tq4", key_scale=bad)
     with pytest.raises(ValueError, match="dense"):
@@ -78,33 +138,46 @@ def test_store_and_policy_validate_scales(tmp_path):
     assert "tq4 keys (scaled)" in policy.describe()
     with pytest.raises(ValueError, match="4 layers"):
         policy.with_key_scales([None])
+    matrices = KVPolicy.uniform(2, "tq4", "tq4").with_key_scales([random_scale("matrices", 6)] * 2)
+    assert len(matrices.layers[0].key_scale[0]) == D and len(matrices.layers[0].key_scale[0][0]) == D
+    matrices.save(tmp_path / "m.json")
+    assert KVPolicy.load(tmp_path / "m.json") == matrices
 
 
 def test_calibrated_scales_in_a_cache_generate_and_flatten():
     model = seeded(transformers_llama(), llama_config())
     ids = prompt(length=40)
-    scales = key_scales(model, ids)
-    assert len(scales) == 4 and all(s.shape == (2, 32) for s in scales)
-    assert all(torch.allclose(s.log().mean(-1), torch.zeros(2), atol=1e-5) for s in scales)  # geometric mean 1
+    scales = key_scales(model, ids)  # a matrix per KV head, determinant 1
+    assert len(scales) == 4 and all(s.shape == (2, 32, 32) for s in scales)
+    assert all(torch.allclose(torch.linalg.det(s.double()), torch.ones(2, dtype=torch.float64), atol=1e-4)
+               for s in scales)
+    half = key_scales(model, ids, strength=0.5)
+    assert all(torch.allclose(h @ h, s, rtol=1e-3, atol=1e-4) for h, s in zip(half, scales))  # the power
+    assert all(torch.allclose(s, torch.eye(32).expand(2, 32, 32)) for s in key_scales(model, ids, strength=0))
+    channels = key_scales(model, ids, per_channel=True)
+    assert len(channels) == 4 and all(s.shape == (2, 32) for s in channels)
+    assert all(torch.allclose(s.log().mean(-1), torch.zeros(2), atol=1e-5) for s in channels)  # geometric mean 1
+    half = key_scales(model, ids, strength=0.5, per_channel=True)
+    assert all(torch.allclose(h, s.sqrt(), rtol=1e-5) for h, s in zip(half, channels))  # the power of the scales
+    assert all(torch.equal(s, torch.ones(2, 32)) for s in key_scales(model, ids, strength=0, per_channel=True))
     with pytest.raises(ValueError, match="ids"):
         key_scales(model, torch.zeros(2, 3, dtype=torch.long))
-    half = key_scales(model, ids, strength=0.5)
-    assert all(torch.allclose(h, s.sqrt(), rtol=1e-5) for h, s in zip(half, scales))  # the power of the scales
-    assert all(torch.equal(s, torch.ones(2, 32)) for s in key_scales(model, ids, strength=0))
     with pytest.raises(ValueError, match="strength"):
         key_scales(model, ids, strength=2)
     model.set_attn_implementation("tqindex")
-    policy = KVPolicy.uniform(4, "tq8", "tq8", residual_length=2).with_key_scales(scales)
+    plain = KVPolicy.uniform(4, "tq8", "tq8", residual_length=2)
     out = {}
-    for name, cache in (("scaled", TQCache(model.config, policy=policy)),
-                        ("plain", TQCache(model.config, policy=KVPolicy.uniform(4, "tq8", "tq8", residual_length=2)))):
+    for name, cache in (("plain", TQCache(model.config, policy=plain)),
+                        ("channels", TQCache(model.config, policy=plain.with_key_scales(channels))),
+                        ("matrices", TQCache(model.config, policy=plain.with_key_scales(scales)))):
         out[name] = model.generate(ids[:, :12], **{CACHE_KW: cache}, max_new_tokens=8, do_sample=False)
-        if name == "scaled":
-            assert torch.equal(cache.layers[1].store.key_scale, scales[1])
+        if name != "plain":
+            want = (channels if name == "channels" else scales)[1]
+            assert torch.equal(cache.layers[1].store.key_scale, want)
             flat, spec = torch.utils._pytree.tree_flatten(cache)
             again = torch.utils._pytree.tree_unflatten(flat, spec)
-            assert torch.equal(again.layers[1].store.key_scale, scales[1])
-    assert torch.equal(out["scaled"], out["plain"])  # 8-bit codes: the same greedy tokens
+            assert torch.equal(again.layers[1].store.key_scale, want)
+        assert torch.equal(out[name], out["plain"])  # 8-bit codes: the same greedy tokens
 
 
 def transformers_llama():
@@ -122,5 +195,5 @@ def test_calibration_with_key_scales_keeps_them_in_the_policy():
                        context_tokens=2048, scale_keys=True)
     scales = key_scales(model, ids)
     assert policy.calibration["sensitivity"]["key_scales"] == [s.tolist() for s in scales]
-    assert all(layer.key_scale == tuple(map(tuple, s.tolist())) for layer, s in zip(policy.layers, scales))
+    assert all(torch.equal(torch.tensor(layer.key_scale), s) for layer, s in zip(policy.layers, scales))
     assert policy.calibration["bits"] <= 3.6

@@ -241,10 +241,14 @@ def compressed_attention_ref(
 
 def _scaled_queries(q: Tensor, keys: CompressedTokens) -> Tensor:
     """q [B, Hq, Q, Dk] multiplied by the keys' ``query_scale`` (float32; query head h by KV head
-    h // (Hq / Hkv)'s), or q itself."""
-    if keys.query_scale is None:
+    h // (Hq / Hkv)'s: channel by channel, or a matrix from the right), or q itself."""
+    scale = keys.query_scale
+    if scale is None:
         return q
-    return q.float() * keys.query_scale.repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
+    group = q.shape[1] // keys.shape[1]
+    if scale.dim() == 4:
+        return q.float() * scale.repeat_interleave(group, dim=1)
+    return q.float() @ scale.repeat_interleave(group, dim=0)
 
 
 def dense_attention(

@@ -54,6 +54,9 @@ NEAR_EXACT = "tq8"
 """The encoder of the side (keys or values) not under measurement."""
 KEY_ENCODER = "tq{}-unbiased"
 """The key encoders measured (by bits), those of ``TQCache``'s default."""
+SCALE_RIDGE = 1e-3
+"""Ridge added to the moments behind key scale matrices, as a fraction of their mean diagonal (directions the
+calibration text never used get a bounded scale)."""
 TRIAL_BATCH = 16
 """Trials measured together: the batch rows of one pass of the model over the scored tokens."""
 
@@ -292,15 +295,17 @@ def calibrate(model: Any, tokens: Tensor, budget_bits: float, *, bits: tuple[int
 _CAPTURE = "tqindex-calibrate-capture"
 
 
-def key_scales(model: Any, tokens: Tensor, strength: float = 1.0) -> list[Tensor | None]:
-    """Per-channel key scales of every layer (module notes) from one pass of the model over calibration ids
-    ``tokens`` [1, T]: float32 [KV heads, key head dim] for full-attention layers, normalized to a geometric
-    mean of 1 per head, None for layers without keys of their own; ``strength`` in [0, 1] raises them to
-    that power (0: no scaling, 1: the optimum for the calibration text's statistics; between: less reliance
-    on them). Use them through a policy (:meth:`~tqindex.kv.policy.KVPolicy.with_key_scales`). The model's
-    attention implementation is restored afterwards."""
+def key_scales(model: Any, tokens: Tensor, strength: float = 1.0, per_channel: bool = False) -> list[Tensor | None]:
+    """Key scales of every layer (module notes) from one pass of the model over calibration ids ``tokens``
+    [1, T]: per KV head a float32 matrix [KV heads, Dk, Dk] (determinant 1), or with ``per_channel`` a scale
+    per key channel [KV heads, Dk] (geometric mean 1); None for layers without keys of their own. ``strength``
+    in [0, 1] raises them to that power (0: no scaling, 1: the optimum for the calibration text's statistics;
+    between: less reliance on them). Use them through a policy
+    (:meth:`~tqindex.kv.policy.KVPolicy.with_key_scales`). The model's attention implementation is restored
+    afterwards."""
     if not isinstance(strength, (int, float)) or isinstance(strength, bool) or not 0 <= strength <= 1:
         raise ValueError(f"strength must be a number in [0, 1], got {strength!r}")
+    check_bool(per_channel, "per_channel")
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -308,13 +313,13 @@ def key_scales(model: Any, tokens: Tensor, strength: float = 1.0) -> list[Tensor
     if not isinstance(tokens, Tensor) or tokens.dim() != 2 or tokens.shape[0] != 1 or tokens.shape[1] < 2:
         got = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
         raise ValueError(f"tokens must be ids [1, T] with T >= 2, got {got}")
-    squares: dict[int, tuple[Tensor, Tensor]] = {}
+    moments: dict[int, tuple[Tensor, Tensor]] = {}
 
     def capture(module: Any, query: Tensor, key: Tensor, value: Tensor, *args: Any, **kwargs: Any) -> Any:
         hkv, d = key.shape[1], key.shape[-1]
-        q = query.float().reshape(query.shape[0], hkv, -1, query.shape[2], d)  # [B, Hkv, G, Q, D]
-        k = key.float() - key.float().mean(2, keepdim=True)
-        squares[module.layer_idx] = (q.square().mean((0, 2, 3)), k.square().mean((0, 2)))  # [Hkv, D] each
+        q = query[0].double().reshape(hkv, -1, d)  # [Hkv, G * Q, D]: the query heads of each KV head
+        k = key[0].double() - key[0].double().mean(1, keepdim=True)  # [Hkv, T, D] centered
+        moments[module.layer_idx] = (q.mT @ q / q.shape[1], k.mT @ k / k.shape[1])  # [Hkv, D, D] each
         return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
 
     AttentionInterface.register(_CAPTURE, capture)
@@ -326,13 +331,30 @@ def key_scales(model: Any, tokens: Tensor, strength: float = 1.0) -> list[Tensor
     finally:
         model.set_attn_implementation(previous)
     layers = len(DynamicCache(config=model.config).layers)
-    scales: list[Tensor | None] = []
-    for i in range(layers):
-        if i not in squares:
-            scales.append(None)
-            continue
-        q2, k2 = squares[i]
+    return [None if i not in moments else _scale(*moments[i], strength, per_channel) for i in range(layers)]
+
+
+def _scale(a: Tensor, c: Tensor, strength: float, per_channel: bool) -> Tensor:
+    """Key scales of one layer from the queries' second moments ``a`` and the centered keys' covariance ``c``
+    (float64 [Hkv, D, D]). Held keys ``k M⁻¹`` and queries ``q Mᵀ`` give score errors of size
+    ``tr(M⁻¹ C M⁻ᵀ) · tr(Mᵀ A M)``; per channel the least is at ``s = (c / a)^(1/4)`` (Cauchy-Schwarz),
+    over matrices at ``M = W^(-1/2)`` for W the geometric mean of C⁻¹ and A,
+    ``C^(-1/2) (C^(1/2) A C^(1/2))^(1/2) C^(-1/2)``. Raised to ``strength``, normalized (geometric mean of the
+    channels' scales, or determinant, 1), float32 on the CPU."""
+    if per_channel:
         floor = torch.finfo(torch.float32).tiny
-        log_s = 0.25 * strength * (k2.clamp_min(floor).log() - q2.clamp_min(floor).log())  # log sqrt(rms k / rms q)
-        scales.append((log_s - log_s.mean(-1, keepdim=True)).exp().cpu())
-    return scales
+        a, c = a.diagonal(dim1=-2, dim2=-1).clamp_min(floor), c.diagonal(dim1=-2, dim2=-1).clamp_min(floor)
+        log_s = 0.25 * strength * (c.log() - a.log())
+        return (log_s - log_s.mean(-1, keepdim=True)).exp().float().cpu()
+    eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
+    a, c = (m + SCALE_RIDGE * m.diagonal(dim1=-2, dim2=-1).mean(-1)[:, None, None] * eye for m in (a, c))
+    c_half, c_inv_half = _power(c, 0.5), _power(c, -0.5)
+    w = c_inv_half @ _power(c_half @ a @ c_half, 0.5) @ c_inv_half
+    m = _power(w, -0.5 * strength)
+    return (m / torch.linalg.det(m)[:, None, None] ** (1 / m.shape[-1])).float().cpu()
+
+
+def _power(m: Tensor, p: float) -> Tensor:
+    """Symmetric positive definite matrices [..., D, D] to the power p (float64)."""
+    lam, vec = torch.linalg.eigh((m + m.mT) / 2)
+    return (vec * lam.clamp_min(torch.finfo(m.dtype).tiny)[..., None, :] ** p) @ vec.mT

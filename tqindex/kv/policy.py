@@ -85,12 +85,41 @@ def encoder_for(spec: str | dict, dim: int, backend: str | None = None) -> Encod
     return _encoder_of(spec, dim, backend)
 
 
+def _check_key_scale(rows: Any) -> tuple:
+    """A layer's key scale as nested tuples of floats: heads x channels (positive) or heads x channels x
+    channels (a matrix per head); ValueError naming the problem. The store checks that matrices are invertible."""
+    def nested(x: Any) -> tuple[Any, tuple[int, ...]]:  # (tuples of floats, shape)
+        if isinstance(x, (list, tuple)) and x:
+            inner = [nested(v) for v in x]
+            if any(shape != inner[0][1] for _, shape in inner):
+                raise ValueError("key_scale must be equally long lists at every level")
+            return tuple(v for v, _ in inner), (len(x), *inner[0][1])
+        if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x):
+            return float(x), ()
+        raise ValueError(f"key_scale must hold finite numbers in non-empty lists, got {x!r}")
+
+    scale, shape = nested(rows)
+    if len(shape) == 2 and not all(v > 0 for r in scale for v in r):
+        raise ValueError("key_scale must hold positive numbers per channel")
+    if len(shape) not in (2, 3) or (len(shape) == 3 and shape[1] != shape[2]):
+        raise ValueError(f"key_scale must be heads x channels, or heads x channels x channels (square matrices), "
+                         f"got {' x '.join(map(str, shape)) or 'a number'}")
+    return scale
+
+
+def _lists(x: Any) -> Any:
+    """Nested tuples as nested lists (JSON)."""
+    return [_lists(v) for v in x] if isinstance(x, tuple) else x
+
+
 @dataclass(frozen=True)
 class LayerPolicy:
     """What one decoder layer stores: ``key_encoder`` / ``value_encoder`` (registry names or configuration
     dicts) with ``residual_length`` recent tokens in full precision, or ``dense=True`` (no encoders: a
     full-precision layer). ``key_scale``: None, or per KV head the positive scale of each key channel
-    (``[[float] * key head dim] * heads``; the keys are held divided by it, see :mod:`tqindex.kv.store`)."""
+    (``[[float] * key head dim] * heads``; the keys are held divided by it) or an invertible matrix
+    (``[[[float] * key head dim] * key head dim] * heads``; the keys are held times its inverse), see
+    :mod:`tqindex.kv.store`."""
 
     key_encoder: str | dict | None = None
     value_encoder: str | dict | None = None
@@ -105,15 +134,7 @@ class LayerPolicy:
                 or self.residual_length < 0:
             raise ValueError(f"residual_length must be an integer >= 0, got {self.residual_length!r}")
         if self.key_scale is not None:
-            rows = self.key_scale
-            if not isinstance(rows, (list, tuple)) or not rows or not all(
-                    isinstance(r, (list, tuple)) and len(r) == len(rows[0]) > 0 for r in rows):
-                raise ValueError("key_scale must be a non-empty list of equally long lists of floats "
-                                 "(heads x channels)")
-            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf
-                       for r in rows for v in r):
-                raise ValueError("key_scale must hold positive finite numbers")
-            object.__setattr__(self, "key_scale", tuple(tuple(float(v) for v in r) for r in rows))
+            object.__setattr__(self, "key_scale", _check_key_scale(self.key_scale))
         if self.dense:
             if self.key_encoder is not None or self.value_encoder is not None or self.key_scale is not None:
                 raise ValueError("a dense layer has no encoders or key scale: leave key_encoder, value_encoder "
@@ -128,7 +149,7 @@ class LayerPolicy:
         """``{"dense": true}`` or ``{"key_encoder": ..., "value_encoder": ..., "residual_length": n}``."""
         if self.dense:
             return {"dense": True}
-        scale = {} if self.key_scale is None else {"key_scale": [list(r) for r in self.key_scale]}
+        scale = {} if self.key_scale is None else {"key_scale": _lists(self.key_scale)}
         return {"key_encoder": self.key_encoder, "value_encoder": self.value_encoder,
                 "residual_length": self.residual_length, **scale}
 
@@ -189,9 +210,9 @@ class KVPolicy:
         return cls([LayerPolicy(dense=True) if i in dense else layer for i in range(num_layers)], center_keys)
 
     def with_key_scales(self, scales: Sequence[Any]) -> "KVPolicy":
-        """A copy whose compressed layer i holds its keys divided by ``scales[i]`` ([KV heads, key head dim]
-        tensors or nested lists, e.g. from :func:`tqindex.kv.calibrate.key_scales`; None leaves a layer
-        unscaled)."""
+        """A copy whose compressed layer i holds its keys scaled by ``scales[i]`` ([KV heads, key head dim] or
+        [KV heads, key head dim, key head dim] tensors or nested lists, e.g. from
+        :func:`tqindex.kv.calibrate.key_scales`; None leaves a layer unscaled)."""
         if len(scales) != len(self.layers):
             raise ValueError(f"{len(scales)} key scales for a policy of {len(self.layers)} layers")
         layers = []

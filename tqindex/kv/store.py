@@ -25,11 +25,12 @@ given; :meth:`KVStore.view` hands out every key minus the offset (for attention)
 the decoded codes plus the offset and the window as held. This holds for softmax attention only: not with
 soft-capped scores or extra sink logits.
 
-With a ``key_scale`` s (per head and channel, e.g. calibrated by :func:`tqindex.kv.calibrate.key_scales`),
-the codes hold ``(k - offset) / s`` and attention multiplies the queries by s: the scores ``q · k`` are
-unchanged, while the codes' error, spread evenly over the channels of the held keys by the rotation,
-lands on the scores in proportion to ``||q s|| · ||k / s||`` instead of ``||q|| · ||k||``; channels where
-keys are large and queries small (and the reverse) stop dominating it.
+With a ``key_scale`` M per head (e.g. calibrated by :func:`tqindex.kv.calibrate.key_scales`), either a scale
+per channel s ([H, Dk], M = diag(s)) or an invertible matrix ([H, Dk, Dk]), the codes hold the row vectors
+``(k - offset) M⁻¹`` and attention multiplies the queries by ``Mᵀ``: the scores ``q · k`` are unchanged, while
+the codes' error, spread evenly over the coordinates of the held keys by the rotation, lands on the scores in
+proportion to ``||q Mᵀ|| · ||k M⁻¹||`` instead of ``||q|| · ||k||``; directions where keys are large and
+queries small (and the reverse) stop dominating it.
 
 Traced encoding goes through the PyTorch operator ``tqindex::encode_tokens`` (:func:`encode_tokens`),
 which ``torch.compile`` and ``torch.export`` treat as one opaque call (eager code calls the encoder
@@ -65,6 +66,8 @@ is unused capacity (doubling leaves up to half, which a long-context cache pays 
 STATIC_HEADROOM = 1024
 """Tokens of code capacity :meth:`KVStore.make_static` keeps free beyond the valid ones (growing it reallocates
 the buffers, which a recorded CUDA graph cannot follow: it is then recorded again)."""
+MAX_SCALE_CONDITION = 1e6
+"""The largest condition number of a key scale matrix (its inverse multiplies every held key in float32)."""
 _ALL = slice(None)
 
 # -- the encode operator ----------------------------------------------------------------------------
@@ -161,8 +164,8 @@ class CompressedTokens:
     window:  [B, H, W, dim] full-precision tokens: the ``sink`` first tokens of the sequence, then the
              most recent ones; in the sequence's order [window[:sink], codes, window[sink:]].
     encoder: the encoder of ``codes`` (``dim == encoder.dim``).
-    query_scale: None, or keys only: [1, H, 1, dim], the keys are held divided by it channel by channel,
-             so attention multiplies the queries of KV head h by it (scores unchanged).
+    query_scale: None, or keys only: what attention multiplies the queries of KV head h by (scores unchanged,
+             :class:`KVStore` ``key_scale``): [1, H, 1, dim] channel by channel, or [H, dim, dim] from the right.
     lengths: None, or int64 [2] on the window's device: the valid codes and window tokens, when ``codes``
              and ``window`` are fixed-capacity buffers filled on the device (a CUDA-graph decode step, see
              :meth:`KVStore.make_static`); the attention kernel reads them there, :meth:`valid` on the host.
@@ -293,7 +296,7 @@ class KVStore:
     buffers (:meth:`settle`), then adds the new chunk to the window; ``encode_stride``: tokens beyond
     ``residual_length`` are encoded once there are at least this many (module notes); ``sink_length``:
     first tokens never encoded (module notes). ``center_keys``: store keys minus :attr:`key_offset`;
-    ``key_scale``: [H, Dk], store keys divided by it (see the module docstring).
+    ``key_scale``: [H, Dk] per channel or [H, Dk, Dk] per head, store keys times its inverse (module notes).
     """
 
     def __init__(
@@ -312,7 +315,8 @@ class KVStore:
         self.encode_stride = check_int(encode_stride, "encode_stride", 1)
         self.center_keys = center_keys
         self.key_offset: Tensor | None = None  # [B, H, 1, Dk] float32, set by the first non-empty append
-        self.key_scale = _check_scale(key_scale, key_encoder.dim)  # [H, Dk] float32 or None
+        self.key_scale = _check_scale(key_scale, key_encoder.dim)  # [H, Dk] or [H, Dk, Dk] float32, or None
+        self._key_unscale = _unscale(self.key_scale)  # what held keys are multiplied by: 1 / s, or M⁻¹
         self.keys: CodesBuffer | None = None
         self.values: CodesBuffer | None = None
         self._key_window: Tensor | None = None  # [B, H, W, Dk] (static: [B, H, capacity, Dk])
@@ -428,7 +432,7 @@ class KVStore:
         shapes and dtypes are checked, values are not: see the module docstring)."""
         self._check(key, value)
         if self.key_scale is not None and self.key_scale.device != key.device:
-            self.key_scale = self.key_scale.to(key.device)
+            self.key_scale, self._key_unscale = self.key_scale.to(key.device), self._key_unscale.to(key.device)
         if self.center_keys and key.shape[2] and self.key_offset is None:  # the first tokens fix the offset
             self.key_offset = key.float().mean(2, keepdim=True)  # [B, H, 1, Dk]
         if self.keys is None:
@@ -514,13 +518,14 @@ class KVStore:
             self.key_offset = self.key_offset.to(device, non_blocking=non_blocking)
         if self.key_scale is not None:
             self.key_scale = self.key_scale.to(device, non_blocking=non_blocking)
+            self._key_unscale = self._key_unscale.to(device, non_blocking=non_blocking)
 
     # -- reads -------------------------------------------------------------------------------------
     def view(self) -> tuple[CompressedTokens, CompressedTokens]:
         """(keys, values) as :class:`CompressedTokens` views of the held tokens (no copy of the codes, no
         decode); keys as the codes hold them (the window's in a copy): minus :attr:`key_offset` once set,
-        which leaves softmax attention unchanged, and divided by :attr:`key_scale`, which the keys hand to
-        attention as the queries' ``query_scale``."""
+        which leaves softmax attention unchanged, and times the inverse of :attr:`key_scale`, which the keys hand
+        to attention as the queries' ``query_scale``."""
         if self.keys is None:
             raise ValueError("the KVStore is empty: append tokens before reading it")
         if self._static is None:
@@ -534,7 +539,9 @@ class KVStore:
         """(keys, values) CompressedTokens of these codes and windows, keys as the codes hold them (:meth:`view`)."""
         if self.key_offset is not None or self.key_scale is not None:
             key_window = self._held_keys(key_window).to(key_window.dtype)
-        scale = None if self.key_scale is None else self.key_scale[None, :, None, :]
+        scale = self.key_scale
+        if scale is not None:
+            scale = scale[None, :, None, :] if scale.dim() == 2 else scale.mT
         sink = self.sink_held
         return (
             CompressedTokens(key_codes, key_window, self.key_encoder, scale, sink, lengths),
@@ -553,7 +560,7 @@ class KVStore:
         window = self._windows()[0]
         dtype = window.dtype if dtype is None else dtype
         codes = self.key_encoder.decode(self.keys.view()).float()
-        codes = codes if self.key_scale is None else codes * self.key_scale[:, None, :]
+        codes = _times(codes, self.key_scale)
         codes = codes if self.key_offset is None else codes + self.key_offset
         return in_order(window.to(dtype), codes.to(dtype), self.sink_held)
 
@@ -669,10 +676,10 @@ class KVStore:
 
     # -- helpers -----------------------------------------------------------------------------------
     def _held_keys(self, keys: Tensor) -> Tensor:
-        """Keys [B, H, n, Dk] as the codes hold them: float32, minus the offset, divided by the scale (both
+        """Keys [B, H, n, Dk] as the codes hold them: float32, minus the offset, times the scale's inverse (both
         float32: each operation promotes the keys to float32 itself)."""
         keys = keys if self.key_offset is None else keys - self.key_offset
-        return (keys if self.key_scale is None else keys / self.key_scale[:, None, :]).float()
+        return _times(keys, self._key_unscale).float()
 
     def _check(self, key: Tensor, value: Tensor) -> None:
         for name, t, enc in (("key", key, self.key_encoder), ("value", value, self.value_encoder)):
@@ -698,16 +705,35 @@ class _Static:
 
 
 def _check_scale(scale: Tensor | None, dim: int) -> Tensor | None:
-    """A key scale as float32 [H, dim] of positive finite values, or None; ValueError naming the problem."""
+    """A key scale as float32 [H, dim] of positive finite values or [H, dim, dim] of finite invertible matrices,
+    or None; ValueError naming the problem."""
     if scale is None:
         return None
-    if not isinstance(scale, Tensor) or scale.dim() != 2 or scale.shape[1] != dim:
-        raise ValueError(f"key_scale must be a tensor [heads, {dim}], got "
+    if not isinstance(scale, Tensor) or scale.dim() not in (2, 3) or scale.shape[1:] not in ((dim,), (dim, dim)):
+        raise ValueError(f"key_scale must be a tensor [heads, {dim}] or [heads, {dim}, {dim}], got "
                          f"{tuple(scale.shape) if isinstance(scale, Tensor) else type(scale).__name__}")
     scale = scale.detach().float()
-    if not (torch.isfinite(scale).all() and (scale > 0).all()):
-        raise ValueError("key_scale must hold positive finite values")
+    if not torch.isfinite(scale).all():
+        raise ValueError("key_scale must hold finite values")
+    if scale.dim() == 2 and not (scale > 0).all():
+        raise ValueError("key_scale must hold positive values per channel")
+    if scale.dim() == 3 and not (torch.linalg.cond(scale.double()) < MAX_SCALE_CONDITION).all():
+        raise ValueError(f"key_scale must hold invertible matrices (condition number below {MAX_SCALE_CONDITION:g})")
     return scale
+
+
+def _unscale(scale: Tensor | None) -> Tensor | None:
+    """What held keys are multiplied by (:func:`_times`): 1 / s per channel, or the matrices' inverses."""
+    if scale is None:
+        return None
+    return 1 / scale if scale.dim() == 2 else torch.linalg.inv(scale.double()).float()
+
+
+def _times(x: Tensor, scale: Tensor | None) -> Tensor:
+    """Rows x [B, H, n, D] times the scale of their head: [H, D] channel by channel, [H, D, D] from the right."""
+    if scale is None:
+        return x
+    return x * scale[:, None, :] if scale.dim() == 2 else x.float() @ scale
 
 
 def _codes(key: str, planes: list[Tensor]) -> Codes:
