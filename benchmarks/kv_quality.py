@@ -606,7 +606,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         t1 = time.perf_counter()
         text = _lm.calibration_text()
         ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[:, :args.calibration_tokens]
-        CALIBRATION.update({form: key_scales(model, ids, per_channel=form == "ks")
+        CALIBRATION.update({form: key_scales(model, ids, per_channel=form == "ks", context_tokens=args.tokens)
                             for form in {s.key_scales for s in specs} - {""}}, context_tokens=args.tokens)
         for scaled, window, unbiased in sorted({(s.key_scales, s.residual_length, s.values_unbiased)
                                                 for s in specs if s.budget_bits is not None}):
@@ -621,11 +621,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         calibration = {"text": _lm.text_info(text, _lm.CALIBRATION_TOPICS), "tokens": ids.shape[1],
                        "scored": args.calibration_scored,
                        "context_tokens": args.tokens, "time_s": time.perf_counter() - t1,
-                       **{m: {**v.to_dict(), "key_scales": None}
-                          for m, v in CALIBRATION.items() if m.startswith("sensitivity")},
+                       **{m: v.to_dict() for m, v in CALIBRATION.items() if m.startswith("sensitivity")},
                        "key_scales": {form: _digest(CALIBRATION[form]) for form in SCALE_FORMS if form in CALIBRATION},
                        "policies": {name: {"bits": p.calibration["bits"], "predicted_kl": p.calibration["predicted_kl"],
-                                           "describe": p.describe(), "policy": _without_scales(p.to_dict())}
+                                           "describe": p.describe(), "policy": p.to_dict()}
                                     for name, p in policies.items()}}
 
     result = {
@@ -651,10 +650,23 @@ def _digest(scales: list[Any]) -> dict[str, Any]:
     return {"shapes": [None if t is None else list(t.shape) for t in scales], "sha256": h.hexdigest()}
 
 
-def _without_scales(policy: dict[str, Any]) -> dict[str, Any]:
-    """A policy's dict with each layer's key scale replaced by True (see :func:`_digest`)."""
-    return {**policy, "layers": [{**layer, "key_scale": True} if "key_scale" in layer else layer
-                                 for layer in policy["layers"]]}
+def _without_scales(calibration: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The calibration record with the key scales of its sensitivities and policies left out (see :func:`_digest`):
+    a policy layer's ``key_scale`` becomes True, a sensitivity's ``key_scales`` None."""
+    if calibration is None:
+        return None
+
+    def sensitivity(entry: dict[str, Any]) -> dict[str, Any]:
+        return {**entry, "key_scales": None} if entry.get("key_scales") else entry
+
+    def policy(entry: dict[str, Any]) -> dict[str, Any]:
+        layers = [{**layer, "key_scale": True} if "key_scale" in layer else layer for layer in entry["layers"]]
+        inner = entry.get("calibration", {})
+        inner = {**inner, "sensitivity": sensitivity(inner["sensitivity"])} if "sensitivity" in inner else inner
+        return {**entry, "layers": layers, "calibration": inner}
+
+    return {**{k: sensitivity(v) if k.startswith("sensitivity") else v for k, v in calibration.items()},
+            "policies": {name: {**p, "policy": policy(p["policy"])} for name, p in calibration["policies"].items()}}
 
 
 def write(result: dict[str, Any], out: Path | None) -> str:
@@ -664,7 +676,8 @@ def write(result: dict[str, Any], out: Path | None) -> str:
     report = markdown(result)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+        record = {**result, "calibration": _without_scales(result.get("calibration"))}
+        out.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
         out.with_suffix(".md").write_text(report)
     return report
 

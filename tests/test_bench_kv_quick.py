@@ -175,3 +175,20 @@ def test_merge_keeps_every_run_rows_and_policies(tmp_path):
     assert list(merged["calibration"]["policies"]) == names and merged["calibration"]["time_s"] == 300.0
     report = (tmp_path / "merged.md").read_text()
     assert all(f"`{name}` (" in report for name in names) and "300 s" in report
+
+
+def test_results_record_key_scales_by_digest_only():
+    from tqindex.kv import KVPolicy
+
+    scales = [None, torch.eye(4).repeat(2, 1, 1) * 2]
+    policy = KVPolicy.uniform(2, "tq4", "tq4").with_key_scales(scales).to_dict()
+    policy["calibration"] = {"sensitivity": {"kl": [0.1], "key_scales": [None, scales[1].tolist()]}}
+    calibration = {"sensitivity-km": {"kl": [0.1], "key_scales": [None, scales[1].tolist()]},
+                   "key_scales": {"km": kv_quality._digest(scales)}, "policies": {"p": {"bits": 4.0, "policy": policy}}}
+    compact = kv_quality._without_scales(calibration)
+    assert compact["sensitivity-km"]["key_scales"] is None
+    layers = compact["policies"]["p"]["policy"]["layers"]
+    assert [layer.get("key_scale") for layer in layers] == [None, True]
+    assert compact["policies"]["p"]["policy"]["calibration"]["sensitivity"]["key_scales"] is None
+    assert compact["key_scales"]["km"]["shapes"] == [None, [2, 4, 4]]
+    assert calibration["policies"]["p"]["policy"]["layers"][1]["key_scale"] != True  # noqa: E712 (input unchanged)

@@ -7,7 +7,7 @@ import torch
 import tqindex as tq
 from tqindex.kv import KVPolicy, KVStore, LayerPolicy, TQCache, key_scales
 from tqindex.kv.attention import compressed_attention, compressed_attention_ref, dense_attention
-from tqindex.kv.calibrate import _scale
+from tqindex.kv.calibrate import _rope_turns, _scale, _turned
 
 from tiny import CACHE_KW, llama_config, prompt, seeded
 
@@ -147,12 +147,13 @@ def test_store_and_policy_validate_scales(tmp_path):
 def test_calibrated_scales_in_a_cache_generate_and_flatten():
     model = seeded(transformers_llama(), llama_config())
     ids = prompt(length=40)
-    scales = key_scales(model, ids)  # a matrix per KV head, determinant 1
+    scales = key_scales(model, ids, strength=1.0)  # a matrix per KV head, determinant 1
     assert len(scales) == 4 and all(s.shape == (2, 32, 32) for s in scales)
     assert all(torch.allclose(torch.linalg.det(s.double()), torch.ones(2, dtype=torch.float64), atol=1e-4)
                for s in scales)
     half = key_scales(model, ids, strength=0.5)
     assert all(torch.allclose(h @ h, s, rtol=1e-3, atol=1e-4) for h, s in zip(half, scales))  # the power
+    assert all(torch.equal(h, d) for h, d in zip(half, key_scales(model, ids)))  # the default strength
     assert all(torch.allclose(s, torch.eye(32).expand(2, 32, 32)) for s in key_scales(model, ids, strength=0))
     channels = key_scales(model, ids, per_channel=True)
     assert len(channels) == 4 and all(s.shape == (2, 32) for s in channels)
@@ -193,7 +194,29 @@ def test_calibration_with_key_scales_keeps_them_in_the_policy():
     ids = prompt(length=56, seed=5)
     policy = calibrate(model, ids, 3.6, bits=(2, 4), prefix=40, scored=16, allow_dense=False,
                        context_tokens=2048, scale_keys=True)
-    scales = key_scales(model, ids)
+    scales = key_scales(model, ids, context_tokens=2048)  # positions spread over the policy's context
     assert policy.calibration["sensitivity"]["key_scales"] == [s.tolist() for s in scales]
     assert all(torch.equal(torch.tensor(layer.key_scale), s) for layer, s in zip(policy.layers, scales))
     assert policy.calibration["bits"] <= 3.6
+
+
+def test_keys_and_queries_are_turned_to_positions_over_the_context():
+    model = seeded(transformers_llama(), llama_config())
+    t, d = 10, 32
+    turns = _rope_turns(model, t, 4096, torch.device("cpu"))
+    assert len(turns) == 9 and all(c.shape == (t, d) for c, _ in turns)
+    g = torch.Generator().manual_seed(7)
+    q, k = torch.randn(4, t, d, generator=g, dtype=torch.float64), torch.randn(2, t, d, generator=g, dtype=torch.float64)
+    turned = _turned(q, k, turns)
+    assert len(turned) == 8
+    for tq_, tk in turned:  # rotations: every token keeps its norm, each query-key product moves
+        torch.testing.assert_close(tq_.norm(dim=-1), q.norm(dim=-1))
+        torch.testing.assert_close(tk.norm(dim=-1), k.norm(dim=-1))
+    back = _turned(q, k, [turns[0], turns[0]])[0]  # to the positions they came from: unchanged
+    torch.testing.assert_close(back[0], q)
+    torch.testing.assert_close(back[1], k)
+    positions = torch.arange(t)
+    cos, sin = model.model.rotary_emb(torch.zeros(1), positions[None])
+    same = _turned(q, k, [turns[0], (cos[0].double(), sin[0].double())])[0]
+    torch.testing.assert_close(same[1], k)  # the module's own angles at the calibration positions
+    assert _turned(q, k, [])[0][1] is k and _turned(q[..., :8], k[..., :8], turns)[0][1].shape[-1] == 8

@@ -24,13 +24,15 @@ one run).
 The calibration text should be unrelated to the text the cache will be judged on. The result is a plain
 :class:`~tqindex.kv.policy.KVPolicy`: save it, read it, edit it, pass it to ``TQCache(config, policy=...)``.
 
-:func:`key_scales` measures the other calibrated option, per-channel key scales (see
-:mod:`tqindex.kv.store`): for each layer, KV head and channel i, from the root mean squares of the
-queries (of the heads sharing that KV head) and of the keys (centered) over a calibration text,
-``s_i = sqrt(rms(k_i) / rms(q_i))``, which minimizes ``||q s|| · ||k / s||`` (Cauchy-Schwarz), the size
-of the score error of codes spread evenly over the held key's channels. Measured on SmolLM2-135M under
-real decoding they do not help on balance (``benchmarks/results/kv_quality_smollm2_cpu_key_scales.md``):
-an option to study, not a default.
+:func:`key_scales` measures the other calibrated option, key scales (see :mod:`tqindex.kv.store`): for each
+layer and KV head, from the second moments of the queries (of the heads sharing that KV head) and of the keys
+(centered) over a calibration text, the matrix M that minimizes ``||q Mᵀ|| · ||k M⁻¹||``, the size of the score
+error of codes spread evenly over the held key's coordinates (``per_channel``: the diagonal M of least error,
+``s_i = sqrt(rms(k_i) / rms(q_i))`` by Cauchy-Schwarz). Measured on SmolLM2-135M under real decoding neither
+helps on balance (``benchmarks/results/kv_quality_smollm2_cpu_key_scales.md``, ``..._key_matrices.md``): the
+matrices halve the error of 4-bit keys at a few hundred tokens of context but not at a thousand (the statistics
+of 448 calibration positions do not hold at later ones, where rotary embeddings turn keys and queries into other
+directions). An option to study, not a default.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ KEY_ENCODER = "tq{}-unbiased"
 SCALE_RIDGE = 1e-3
 """Ridge added to the moments behind key scale matrices, as a fraction of their mean diagonal (directions the
 calibration text never used get a bounded scale)."""
+ROPE_DRAWS = 8
+"""Positions each calibration token's key and query is turned to by :func:`key_scales`."""
 TRIAL_BATCH = 16
 """Trials measured together: the batch rows of one pass of the model over the scored tokens."""
 
@@ -283,7 +287,7 @@ def calibrate(model: Any, tokens: Tensor, budget_bits: float, *, bits: tuple[int
                                            unbiased_values=unbiased_values),
                       budget_bits, allow_dense=allow_dense, context_tokens=context_tokens, sink_length=sink_length,
                       encode_stride=encode_stride)
-    scales = key_scales(model, tokens) if check_bool(scale_keys, "scale_keys") else None
+    scales = key_scales(model, tokens, context_tokens=context_tokens) if check_bool(scale_keys, "scale_keys") else None
     sensitivity = measure_sensitivity(model, tokens, bits=bits, prefix=prefix, scored=scored,
                                       center_keys=center_keys, backend=backend, key_scales=scales,
                                       residual_length=residual_length, chunk=chunk, unbiased_values=unbiased_values,
@@ -295,17 +299,27 @@ def calibrate(model: Any, tokens: Tensor, budget_bits: float, *, bits: tuple[int
 _CAPTURE = "tqindex-calibrate-capture"
 
 
-def key_scales(model: Any, tokens: Tensor, strength: float = 1.0, per_channel: bool = False) -> list[Tensor | None]:
+def key_scales(model: Any, tokens: Tensor, strength: float | None = None, per_channel: bool = False,
+               context_tokens: int = 4096) -> list[Tensor | None]:
     """Key scales of every layer (module notes) from one pass of the model over calibration ids ``tokens``
     [1, T]: per KV head a float32 matrix [KV heads, Dk, Dk] (determinant 1), or with ``per_channel`` a scale
     per key channel [KV heads, Dk] (geometric mean 1); None for layers without keys of their own. ``strength``
     in [0, 1] raises them to that power (0: no scaling, 1: the optimum for the calibration text's statistics;
-    between: less reliance on them). Use them through a policy
+    between: less reliance on them); None: 0.5 for matrices, 1 per channel (the better on SmolLM2-135M).
+
+    Keys and queries are taken at positions spread over ``context_tokens`` (each calibration token's key and
+    query turned by the model's rotary embedding from its own position to ROPE_DRAWS seeded positions below
+    ``context_tokens``): rotary embeddings turn them into other directions at every position, so scales fitted
+    at a text's first positions would not hold at later ones. Models without a rotary embedding over whole
+    heads (rotate-half layout, found as the first module whose class name ends in ``RotaryEmbedding``) are
+    measured at the calibration positions. Use the scales through a policy
     (:meth:`~tqindex.kv.policy.KVPolicy.with_key_scales`). The model's attention implementation is restored
     afterwards."""
+    check_bool(per_channel, "per_channel")
+    strength = (1.0 if per_channel else 0.5) if strength is None else strength
     if not isinstance(strength, (int, float)) or isinstance(strength, bool) or not 0 <= strength <= 1:
         raise ValueError(f"strength must be a number in [0, 1], got {strength!r}")
-    check_bool(per_channel, "per_channel")
+    context_tokens = check_int(context_tokens, "context_tokens", 1)
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -313,13 +327,18 @@ def key_scales(model: Any, tokens: Tensor, strength: float = 1.0, per_channel: b
     if not isinstance(tokens, Tensor) or tokens.dim() != 2 or tokens.shape[0] != 1 or tokens.shape[1] < 2:
         got = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
         raise ValueError(f"tokens must be ids [1, T] with T >= 2, got {got}")
+    device = next(model.parameters()).device
+    turns = _rope_turns(model, tokens.shape[1], context_tokens, device)
     moments: dict[int, tuple[Tensor, Tensor]] = {}
 
     def capture(module: Any, query: Tensor, key: Tensor, value: Tensor, *args: Any, **kwargs: Any) -> Any:
         hkv, d = key.shape[1], key.shape[-1]
-        q = query[0].double().reshape(hkv, -1, d)  # [Hkv, G * Q, D]: the query heads of each KV head
-        k = key[0].double() - key[0].double().mean(1, keepdim=True)  # [Hkv, T, D] centered
-        moments[module.layer_idx] = (q.mT @ q / q.shape[1], k.mT @ k / k.shape[1])  # [Hkv, D, D] each
+        q2, k1, k2, n = 0, 0, 0, 0
+        for q, k in _turned(query[0].double(), key[0].double(), turns):
+            q = q.reshape(hkv, -1, d)  # [Hkv, G * T, D]: the query heads of each KV head
+            q2, k1, k2, n = q2 + q.mT @ q / q.shape[1], k1 + k.mean(1), k2 + k.mT @ k / k.shape[1], n + 1
+        mean = k1 / n
+        moments[module.layer_idx] = (q2 / n, k2 / n - mean[:, :, None] * mean[:, None, :])  # [Hkv, D, D] each
         return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
 
     AttentionInterface.register(_CAPTURE, capture)
@@ -327,11 +346,44 @@ def key_scales(model: Any, tokens: Tensor, strength: float = 1.0, per_channel: b
     model.set_attn_implementation(_CAPTURE)
     try:
         with torch.inference_mode():
-            model(input_ids=tokens.to(next(model.parameters()).device), use_cache=False)
+            model(input_ids=tokens.to(device), use_cache=False)
     finally:
         model.set_attn_implementation(previous)
     layers = len(DynamicCache(config=model.config).layers)
     return [None if i not in moments else _scale(*moments[i], strength, per_channel) for i in range(layers)]
+
+
+def _rope_turns(model: Any, length: int, context_tokens: int, device: torch.device) -> list[tuple[Tensor, Tensor]]:
+    """[(cos, sin)] float64 [length, D] of the model's rotary embedding: first at positions 0 ... length - 1, then
+    ROPE_DRAWS times at seeded positions below ``context_tokens``; [] for a model without one."""
+    rotary = next((m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")), None)
+    if rotary is None:
+        return []
+    g = torch.Generator().manual_seed(0)
+    positions = [torch.arange(length)] + [torch.randint(0, context_tokens, (length,), generator=g)
+                                          for _ in range(ROPE_DRAWS)]
+    probe = torch.zeros(1, device=device)
+    turns = []
+    for p in positions:
+        cos, sin = rotary(probe, p[None].to(device))
+        turns.append((cos[0].double(), sin[0].double()))
+    return turns
+
+
+def _turned(q: Tensor, k: Tensor, turns: list[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor]]:
+    """Queries [Hq, T, D] and keys [Hkv, T, D] at the positions of ``turns`` (:func:`_rope_turns`: back from the
+    first, to each other), or as they are when there are no turns or they do not cover the head."""
+    if not turns or turns[0][0].shape[-1] != k.shape[-1]:
+        return [(q, k)]
+    cos0, sin0 = turns[0]
+    q, k = (x * cos0 - _rotate_half(x) * sin0 for x in (q, k))  # back to no rotation
+    return [(q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin) for cos, sin in turns[1:]]
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    """The rotary embedding's quarter turn of each channel pair (i, i + D/2): (a, b) -> (-b, a)."""
+    a, b = x.chunk(2, -1)
+    return torch.cat([-b, a], -1)
 
 
 def _scale(a: Tensor, c: Tensor, strength: float, per_channel: bool) -> Tensor:
