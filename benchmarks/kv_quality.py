@@ -517,7 +517,9 @@ def markdown(result: dict[str, Any]) -> str:
         what = "Policies" if c["policies"] else "Key scales"
         scored = f", the last {c['scored']} scored" if c["policies"] and c.get("scored") else ""
         lines += ["", f"{what} calibrated on {c['text']['topics']} ({c['tokens']} tokens{scored}, "
-                      f"{c['time_s']:.0f} s)" + ("; layer by layer:" if c["policies"] else "."), ""]
+                      f"{c['time_s']:.0f} s)" + (f"; key scales on its first {c['scale_tokens']} tokens"
+                                                 if c.get("key_scales") and "scale_tokens" in c else "")
+                  + ("; layer by layer:" if c["policies"] else "."), ""]
         for name, policy in c["policies"].items():
             lines += [f"`{name}` ({policy['bits']:.2f} bits per element at {c['context_tokens']} tokens):", "",
                       "```", policy["describe"], "```", ""]
@@ -544,6 +546,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(prefix + scored)")
     p.add_argument("--calibration-scored", type=int, default=64, help="tokens of the calibration text a policy's "
                    "measurement predicts, one at a time (the others are its prefix)")
+    p.add_argument("--scale-tokens", type=int, default=None, help="tokens of the calibration text key scales "
+                   "(-ks, -km) are measured on (default: --calibration-tokens)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (1 is much faster than 2 on a loaded 2-core machine)")
     p.add_argument("--out", type=Path, default=None,
@@ -564,6 +568,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--needle-depth must be in [0, 1], got {args.needle_depth}")
     if args.needle_streamed < 1:
         p.error(f"--needle-streamed must be >= 1, got {args.needle_streamed}")
+    args.scale_tokens = args.scale_tokens or args.calibration_tokens
+    if args.scale_tokens < 2:
+        p.error(f"--scale-tokens must be >= 2, got {args.scale_tokens}")
     if not 0 < args.calibration_scored < args.calibration_tokens:
         p.error(f"--calibration-scored must be in (0, --calibration-tokens={args.calibration_tokens}), "
                 f"got {args.calibration_scored}")
@@ -605,8 +612,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if any(spec.budget_bits is not None or spec.key_scales for spec in specs):
         t1 = time.perf_counter()
         text = _lm.calibration_text()
-        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[:, :args.calibration_tokens]
-        CALIBRATION.update({form: key_scales(model, ids, per_channel=form == "ks", context_tokens=args.tokens)
+        text_ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+        ids, scale_ids = text_ids[:, :args.calibration_tokens], text_ids[:, :args.scale_tokens]
+        CALIBRATION.update({form: key_scales(model, scale_ids, per_channel=form == "ks", context_tokens=args.tokens)
                             for form in {s.key_scales for s in specs} - {""}}, context_tokens=args.tokens)
         for scaled, window, unbiased in sorted({(s.key_scales, s.residual_length, s.values_unbiased)
                                                 for s in specs if s.budget_bits is not None}):
@@ -623,6 +631,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                        "context_tokens": args.tokens, "time_s": time.perf_counter() - t1,
                        **{m: v.to_dict() for m, v in CALIBRATION.items() if m.startswith("sensitivity")},
                        "key_scales": {form: _digest(CALIBRATION[form]) for form in SCALE_FORMS if form in CALIBRATION},
+                       "scale_tokens": scale_ids.shape[1],
                        "policies": {name: {"bits": p.calibration["bits"], "predicted_kl": p.calibration["predicted_kl"],
                                            "describe": p.describe(), "policy": p.to_dict()}
                                     for name, p in policies.items()}}
