@@ -26,13 +26,14 @@ The calibration text should be unrelated to the text the cache will be judged on
 
 :func:`key_scales` measures the other calibrated option, key scales (see :mod:`tqindex.kv.store`): for each
 layer and KV head, from the second moments of the queries (of the heads sharing that KV head) and of the keys
-(centered) over a calibration text, the matrix M that minimizes ``||q Mᵀ|| · ||k M⁻¹||``, the size of the score
-error of codes spread evenly over the held key's coordinates (``per_channel``: the diagonal M of least error,
-``s_i = sqrt(rms(k_i) / rms(q_i))`` by Cauchy-Schwarz). Measured on SmolLM2-135M under real decoding neither
-helps on balance (``benchmarks/results/kv_quality_smollm2_cpu_key_scales.md``, ``..._key_matrices.md``): the
-matrices halve the error of 4-bit keys at a few hundred tokens of context but not at a thousand (the statistics
-of 448 calibration positions do not hold at later ones, where rotary embeddings turn keys and queries into other
-directions). An option to study, not a default.
+(centered) over a calibration text, each token turned by the model's rotary embedding to positions spread over
+the context, the matrix M that minimizes ``||q Mᵀ|| · ||k M⁻¹||``, the size of the score error of codes spread
+evenly over the held key's coordinates (``per_channel``: the diagonal M of least error,
+``s_i = sqrt(rms(k_i) / rms(q_i))`` by Cauchy-Schwarz). Measured on SmolLM2-135M under real decoding
+(``benchmarks/results/kv_quality_smollm2_cpu_key_matrices_rope.md``) the matrices lower the worse text's
+perplexity increase at 4.31, 3.21 and 2.48 bits per element (+3.6 % to +2.0 %, +4.3 % to +1.8 %, +23.6 % to
++14.0 %); per-channel scales, measured before the rotary turning, did not help on balance
+(``..._key_scales.md``). An option (``scale_keys``), not a default.
 """
 
 from __future__ import annotations
