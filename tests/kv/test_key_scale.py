@@ -207,16 +207,16 @@ def test_keys_and_queries_are_turned_to_positions_over_the_context():
     assert len(turns) == 9 and all(c.shape == (t, d) for c, _ in turns)
     g = torch.Generator().manual_seed(7)
     q, k = torch.randn(4, t, d, generator=g, dtype=torch.float64), torch.randn(2, t, d, generator=g, dtype=torch.float64)
-    turned = _turned(q, k, turns)
+    turned = list(_turned(q, k, turns))
     assert len(turned) == 8
     for tq_, tk in turned:  # rotations: every token keeps its norm, each query-key product moves
         torch.testing.assert_close(tq_.norm(dim=-1), q.norm(dim=-1))
         torch.testing.assert_close(tk.norm(dim=-1), k.norm(dim=-1))
-    back = _turned(q, k, [turns[0], turns[0]])[0]  # to the positions they came from: unchanged
+    back = next(_turned(q, k, [turns[0], turns[0]]))  # to the positions they came from: unchanged
     torch.testing.assert_close(back[0], q)
     torch.testing.assert_close(back[1], k)
     positions = torch.arange(t)
     cos, sin = model.model.rotary_emb(torch.zeros(1), positions[None])
-    same = _turned(q, k, [turns[0], (cos[0].double(), sin[0].double())])[0]
+    same = next(_turned(q, k, [turns[0], (cos[0].double(), sin[0].double())]))
     torch.testing.assert_close(same[1], k)  # the module's own angles at the calibration positions
-    assert _turned(q, k, [])[0][1] is k and _turned(q[..., :8], k[..., :8], turns)[0][1].shape[-1] == 8
+    assert next(_turned(q, k, []))[1] is k and next(_turned(q[..., :8], k[..., :8], turns))[1].shape[-1] == 8

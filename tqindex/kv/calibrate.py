@@ -41,7 +41,7 @@ from __future__ import annotations
 import copy
 import inspect
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -371,14 +371,17 @@ def _rope_turns(model: Any, length: int, context_tokens: int, device: torch.devi
     return turns
 
 
-def _turned(q: Tensor, k: Tensor, turns: list[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor]]:
+def _turned(q: Tensor, k: Tensor, turns: list[tuple[Tensor, Tensor]]) -> Iterator[tuple[Tensor, Tensor]]:
     """Queries [Hq, T, D] and keys [Hkv, T, D] at the positions of ``turns`` (:func:`_rope_turns`: back from the
-    first, to each other), or as they are when there are no turns or they do not cover the head."""
+    first, to each other), one pair at a time, or as they are when there are no turns or they do not cover the
+    head."""
     if not turns or turns[0][0].shape[-1] != k.shape[-1]:
-        return [(q, k)]
+        yield q, k
+        return
     cos0, sin0 = turns[0]
     q, k = (x * cos0 - _rotate_half(x) * sin0 for x in (q, k))  # back to no rotation
-    return [(q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin) for cos, sin in turns[1:]]
+    for cos, sin in turns[1:]:
+        yield q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: Tensor) -> Tensor:
