@@ -6,8 +6,9 @@ Two kernels, each one pass over the input; both return what
 
 :func:`_encode_rows_kernel` (one coded run covering every coordinate, at most 4 bits, dims up to
 ROWS_MAX_DIM: TurboQuantMSE's usual codes) holds a block of rows in registers in natural coordinate order:
-``y = x Rᵀ`` in one MMA (fp32 accuracy: three tf32 MMAs on GPUs), ``u = |y| / ||x||``, then for every
-pre-scale alpha the level of each coordinate by comparisons of ``|u|`` with the codebook's positive
+``y = x Rᵀ`` at fp32 accuracy (a Hadamard rotation: the rows times the signs, split into two float16 pieces, each
+multiplied by the ±1 matrix exactly in one MMA; a dense one: three tf32 MMAs on GPUs), ``u = |y| / ||x||``, then
+for every pre-scale alpha the level of each coordinate by comparisons of ``|u|`` with the codebook's positive
 boundaries divided by alpha (ascending: the last boundary exceeded sets the level) and the cosine
 ``<u, c> / ||c||`` of the row; the best alpha's codes (``2^(b-1) + m`` for positive coordinates,
 ``2^(b-1) - 1 - m`` for the others) are summed by shifts into one word per group of ``planes``
@@ -41,6 +42,7 @@ from torch import Tensor
 
 from ..directions import rescue_unsafe_rows
 from . import multiprocessors
+from ..rotation import hadamard_matrix
 from .planes import RunLayout, cdiv, next_power_of_2, plane_coordinates, plane_width, run_layouts, to_planes
 from .scan_triton import _magnitude
 
@@ -56,6 +58,8 @@ ROWS_MAX_DIM = 128
 the rotation operand no longer fits in shared memory)."""
 ROWS_ELEMENTS = 4096
 """Row elements per block of the register kernel (32 rows at d = 128)."""
+ROWS_WARPS = 8
+"""Warps of the register kernel above 64 dims (4 up to 64)."""
 
 
 @triton.jit
@@ -217,14 +221,18 @@ def _encode_kernel(X, XN, RP, SCRATCH, n, d, pw, MAG, BND, ALPHAS, OUT, row_byte
 
 
 @triton.jit
-def _encode_rows_kernel(X, XN, RT, THR, MAG, ALPHAS, OUT, NORM, DOT, SQ, n, d, row_bytes, R: tl.constexpr,
-                        A: tl.constexpr, ROTATE: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr,
-                        PRECISION: tl.constexpr):
+def _encode_rows_kernel(X, XN, RT, SIGNS, THR, MAG, ALPHAS, OUT, NORM, DOT, SQ, n, d, row_bytes, rsqrt_d,
+                        R: tl.constexpr, A: tl.constexpr, ROTATE: tl.constexpr, DP: tl.constexpr,
+                        BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     """Persistent program over row blocks of one coded run covering every coordinate, in natural order,
-    each block held in registers: X [n, d] (ROTATE: rotated here, ``y = x RT`` with RT float32 [DP, DP],
-    the rotation's transpose, zero padded; else the rotated rows), XN [n, d] the rows as given (norms).
-    THR [A, H]: the positive boundaries divided by each pre-scale (the direction search compares |u| with
-    them); the codes of a group (``planes`` consecutive coordinates) are summed into one word by shifts."""
+    each block held in registers: X [n, d] (ROTATE 0: the rotated rows; 1: rotated here by a dense rotation,
+    ``y = x RT`` with RT float32 [DP, DP] the rotation's transpose, zero padded; 2: by a Hadamard rotation,
+    ``y = (x * SIGNS) H / sqrt(d)`` with RT the ±1 matrix H [DP, DP]: the rows are split into two float16 pieces
+    (22 bits of mantissa) whose products with ±1 are exact, summed in float32), XN [n, d] the rows as given
+    (norms). The operand RT is loaded once per program. THR [A, H]: the positive boundaries divided by each
+    pre-scale (the direction search compares |u| with them; a runtime loop over the pre-scales keeps one
+    pre-scale's temporaries live, not A); the codes of a group (``planes`` consecutive coordinates) are summed into
+    one word by shifts."""
     BITS: tl.constexpr = R[0]
     GB: tl.constexpr = R[1]
     P: tl.constexpr = R[2]
@@ -236,6 +244,11 @@ def _encode_rows_kernel(X, XN, RT, THR, MAG, ALPHAS, OUT, NORM, DOT, SQ, n, d, r
     valid_col = col < W
     shift = (tl.arange(0, P) * BITS)[None, None, :]
     g = tl.arange(0, DP // P)
+    if ROTATE == 1:
+        rt = tl.load(RT + col[:, None] * DP + col[None, :])
+    elif ROTATE == 2:
+        rt = tl.load(RT + col[:, None] * DP + col[None, :]).to(tl.float16)
+        signs = tl.load(SIGNS + col)
     for blk in range(pid, tl.cdiv(n, BLOCK_N), programs):
         rows = blk * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < n
@@ -245,8 +258,12 @@ def _encode_rows_kernel(X, XN, RT, THR, MAG, ALPHAS, OUT, NORM, DOT, SQ, n, d, r
         xs = xn * scale[:, None]
         norm = tl.sqrt(tl.sum(xs * xs, axis=1))
         inv = 1.0 / tl.where(norm > 0, norm, 1.0)
-        if ROTATE:
-            y = tl.dot(xs, tl.load(RT + col[:, None] * DP + col[None, :]), input_precision=PRECISION)
+        if ROTATE == 1:
+            y = tl.dot(xs, rt, input_precision=PRECISION)
+        elif ROTATE == 2:
+            xz = xs * signs[None, :]
+            hi = xz.to(tl.float16)
+            y = tl.dot((xz - hi.to(tl.float32)).to(tl.float16), rt, tl.dot(hi, rt)) * rsqrt_d
         else:
             y = tl.load(X + rows[:, None].to(tl.int64) * d + col[None, :], mask=inside, other=0.0) * scale[:, None]
         u = tl.abs(y) * inv[:, None]
@@ -254,11 +271,12 @@ def _encode_rows_kernel(X, XN, RT, THR, MAG, ALPHAS, OUT, NORM, DOT, SQ, n, d, r
         best_a = tl.zeros((BLOCK_N,), tl.int32)
         best_dot = tl.zeros((BLOCK_N,), tl.float32)
         best_sq = tl.zeros((BLOCK_N,), tl.float32)
-        for a in tl.static_range(A):
+        for a in range(A):
             mag = tl.zeros((BLOCK_N, DP), tl.float32) + tl.load(MAG)
             for j in tl.static_range(H - 1):  # thresholds ascend: the last one |u| exceeds sets the level
                 mag = tl.where(u > tl.load(THR + a * H + j), tl.load(MAG + j + 1), mag)
-            mag = tl.where(valid_col[None, :], mag, 0.0)
+            if W < DP:
+                mag = tl.where(valid_col[None, :], mag, 0.0)
             dot = tl.sum(u * mag, axis=1)
             sq = tl.sum(mag * mag, axis=1)
             cos = dot / tl.sqrt(tl.maximum(sq, 1e-30))
@@ -291,13 +309,16 @@ def _planar_rotation(rotation: Any, layouts: tuple[RunLayout, ...]) -> Tensor:
 
 
 @lru_cache(maxsize=32)
-def _natural_rotation(rotation: Any, dp: int) -> Tensor:
-    """The rotation's transpose as MMA operand, ``y = x RT``: float32 [dp, dp], zero padded, cached per
-    rotation object."""
+def _natural_rotation(rotation: Any, dp: int) -> tuple[int, Tensor, Tensor | None]:
+    """The register kernel's rotation operands, cached per rotation object: (2, the Hadamard matrix [dp, dp] of ±1,
+    the signs [dp]) for a Hadamard rotation, else (1, the rotation's transpose float32 [dp, dp] zero padded, None),
+    ``y = x RT``."""
     m = rotation.matmul_matrix
+    if rotation.kind == "hadamard":
+        return 2, hadamard_matrix(dp).to(m.device), rotation.signs.to(m.device).float().contiguous()
     rt = torch.zeros(dp, dp, device=m.device)
     rt[: rotation.dim, : rotation.dim] = m.float().T
-    return rt
+    return 1, rt, None
 
 
 @lru_cache(maxsize=32)
@@ -335,11 +356,12 @@ def encode_directions_triton(x: Tensor, rotation: Any, runs: Sequence[Any], alph
     if n and in_registers(layouts, d):
         dp = next_power_of_2(d)
         block = max(16, ROWS_ELEMENTS // dp)
+        kind, rt, signs = _natural_rotation(rotation, dp) if rotate else (0, x, None)
         src = x if rotate else rotation.apply(x).contiguous()
         _encode_rows_kernel[(_programs(cdiv(n, block), device),)](
-            src, x, _natural_rotation(rotation, dp) if rotate else src, thresholds, mags, alphas, qdata, norm, dot,
-            sq, n, d, row_bytes, R=tuple(layouts[0]), A=len(alphas), ROTATE=rotate, DP=dp, BLOCK_N=block,
-            PRECISION=precision, num_warps=4 if dp <= 64 else 8)  # measured best on an H200
+            src, x, rt, rt if signs is None else signs, thresholds, mags, alphas, qdata, norm, dot, sq, n, d,
+            row_bytes, d ** -0.5, R=tuple(layouts[0]), A=len(alphas), ROTATE=kind, DP=dp, BLOCK_N=block,
+            PRECISION=precision, num_warps=ROWS_WARPS if dp > 64 else 4)
     elif n:
         pw = plane_width(layouts)
         programs = _programs(cdiv(n, BLOCK_N), device)
