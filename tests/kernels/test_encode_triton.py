@@ -122,3 +122,22 @@ def test_rows_of_any_scale_with_the_rotation_applied_by_torch():
         assert torch.equal(q, q0), e
         torch.testing.assert_close(n.double(), torch.ldexp(n0.double(), torch.tensor(e, device=DEVICE)),
                                    rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("n, dim", [(1, 130), (129, 384), (33, 1536)])
+def test_split_rotation_has_float32_accuracy(n, dim):
+    """Large dense rotations are applied by three float16 products (split_rotate): within a few float32 roundings of
+    the exact product, for rows of any scale inside the encoder's safe norms."""
+    from tqindex.checks import NORM_SAFE
+    from tqindex.kernels.encode_triton import split_rotate
+
+    rotation = tq.make_encoder("tq4", dim)._rotation(DEVICE)
+    assert rotation.kind == "dense"
+    x = torch.randn(n, dim, generator=torch.Generator().manual_seed(n)).to(DEVICE)
+    x[0, : dim // 2] *= 1e-6  # rows of very different coordinates
+    if n > 2:
+        x[1] *= NORM_SAFE[1] / x[1].norm() / 2
+        x[2] *= NORM_SAFE[0] / x[2].norm() * 2
+    exact = x.double() @ rotation.matmul_matrix.double().T
+    err = (split_rotate(x, rotation).double() - exact).norm(dim=1) / exact.norm(dim=1)
+    assert err.max() < 1e-6

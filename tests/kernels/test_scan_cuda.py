@@ -153,7 +153,10 @@ def test_rescore_reference_is_the_exact_score(name, dim, n, m, l2):
     assert torch.equal(rows, want)
     ok = rows >= 0
     assert (v[~ok] == float("-inf")).all()
-    torch.testing.assert_close(v[ok], exact.gather(1, rows.clamp_min(0))[ok], rtol=1e-5, atol=1e-5)
+    # float32 rounding of the scores' terms: scores near 0 (l2: 2 <q, x> - ||x||², terms in the hundreds) are exact only
+    # to about 1e-7 of the largest terms, not of themselves
+    scale = float(exact.abs().max())
+    torch.testing.assert_close(v[ok], exact.gather(1, rows.clamp_min(0))[ok], rtol=1e-5, atol=1e-6 * scale)
 
 
 @needs_cuda
@@ -178,16 +181,17 @@ def test_rescore_equals_the_reference(name, dim, n, m, l2, span, subset):
 
 
 @needs_cuda
-def test_search_rescores_through_the_cuda_kernel(monkeypatch):
-    """A search of few queries re-scores its best tiles with the CUDA kernel where it reads the codes (here also
-    below the rows from which it does so by default)."""
+@pytest.mark.parametrize("m", [4, 40])
+def test_search_rescores_through_the_cuda_kernel(monkeypatch, m):
+    """A search re-scores its best tiles with the CUDA kernel where it reads the codes (here also below the rows from
+    which it does so by default), after the CUDA tile maxima of few queries or the Triton ones of a batch."""
     from tqindex.kernels import scan_cuda
 
     monkeypatch.setattr(scan_cuda, "RESCORE_MIN_ROWS", 1)
     calls = []
     real = scan_cuda.rescore
     monkeypatch.setattr(scan_cuda, "rescore", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    x, q = data(140_001, 128, 5).to(DEVICE), data(4, 128, 6).to(DEVICE)
+    x, q = data(140_001, 128, 5).to(DEVICE), data(m, 128, 6).to(DEVICE)
     index = flat("tq4", 128, "ip", x)
     D0, I0 = index.search(q, 10)
     index.backend = "triton"

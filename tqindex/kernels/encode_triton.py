@@ -41,8 +41,8 @@ import triton.language as tl
 from torch import Tensor
 
 from ..directions import rescue_unsafe_rows
-from . import multiprocessors
 from ..rotation import hadamard_matrix
+from . import multiprocessors
 from .planes import RunLayout, cdiv, next_power_of_2, plane_coordinates, plane_width, run_layouts, to_planes
 from .scan_triton import _magnitude
 
@@ -56,10 +56,11 @@ NUM_WARPS = 8
 ROWS_MAX_DIM = 128
 """Dims (padded to a power of two) up to which one-run codes are encoded with rows held in registers (at 256
 the rotation operand no longer fits in shared memory)."""
+ROWS_TILES = {128: (16, 2)}
+"""Rows per block and warps of the register kernel by padded dim, measured on an H200 (10M x 128 tq4, 7 pre-scales):
+16 rows and 2 warps 16.1 ms, 16 / 4 and 32 / 4 17.5-17.7, 32 / 8 19.2, 64 / 8 19.0. Other dims: ROWS_ELEMENTS / dim
+rows (at least 16) and 4 warps."""
 ROWS_ELEMENTS = 4096
-"""Row elements per block of the register kernel (32 rows at d = 128)."""
-ROWS_WARPS = 8
-"""Warps of the register kernel above 64 dims (4 up to 64)."""
 
 
 @triton.jit
@@ -332,6 +333,37 @@ def _run_tables(runs: tuple[Any, ...], alphas: Tensor) -> tuple[list[RunLayout],
     return layouts, mags.to(device), bounds, alphas, (bounds[None, :] / alphas[:, None]).contiguous()
 
 
+@lru_cache(maxsize=32)
+def _split_transpose(rotation: Any) -> tuple[Tensor, Tensor]:
+    """The rotation's transpose as two float16 pieces whose sum is it to 22 bits, cached per rotation object."""
+    rt = rotation.matmul_matrix.float().T.contiguous()
+    hi = rt.half()
+    return hi, (rt - hi.float()).half()
+
+
+def _mm32(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` of float16 matrices, summed and returned in float32 (cuBLAS's float16 tensor cores on CUDA)."""
+    return torch.mm(a, b, out_dtype=torch.float32) if a.is_cuda else a.float() @ b.float()
+
+
+def split_rotate(x: Tensor, rotation: Any) -> Tensor:
+    """``rotation.apply(x)`` for rows x float32 [N, d] of a matmul rotation, to float32 accuracy by three float16
+    products: each row scaled by a power of two (its largest magnitude into [0.5, 1)), rows and rotation split into
+    two float16 pieces (22 bits of each), the products of the pieces but the two small ones summed in float32, the
+    scale undone. On an H200, 1M x 1536: 56 ms against 94 for float32 ``x @ R.T`` and the encoder's own
+    tf32x3 planes (136 ms of its 178), largest error 2.8e-6 of the largest output against 2.0e-6 for float32.
+    Exact enough for rows of norms in ``checks.NORM_SAFE`` (the encoder encodes the others again, scaled)."""
+    e = torch.frexp(x.abs().amax(1, keepdim=True))[1].clamp(-126, 126)
+    xs = torch.ldexp(x, -e)
+    hi = xs.half()
+    lo = (xs - hi.float()).half()
+    r_hi, r_lo = _split_transpose(rotation)
+    y = _mm32(hi, r_hi)
+    y += _mm32(hi, r_lo)
+    y += _mm32(lo, r_hi)
+    return torch.ldexp(y, e)
+
+
 def in_registers(layouts: Sequence[RunLayout], dim: int) -> bool:
     """Whether :func:`_encode_rows_kernel` encodes these codes: one coded run of at most 4 bits covering all
     ``dim`` coordinates, dims up to ROWS_MAX_DIM."""
@@ -353,31 +385,33 @@ def encode_directions_triton(x: Tensor, rotation: Any, runs: Sequence[Any], alph
     qdata = torch.empty(n, row_bytes, dtype=torch.uint8, device=device)
     norm, dot, sq = (torch.empty(n, device=device) for _ in range(3))
     precision = "tf32x3" if device.type == "cuda" else "ieee"
+    in_kernel = rotate
     if n and in_registers(layouts, d):
         dp = next_power_of_2(d)
-        block = max(16, ROWS_ELEMENTS // dp)
+        block, warps = ROWS_TILES.get(dp, (max(16, ROWS_ELEMENTS // dp), 4))
         kind, rt, signs = _natural_rotation(rotation, dp) if rotate else (0, x, None)
         src = x if rotate else rotation.apply(x).contiguous()
         _encode_rows_kernel[(_programs(cdiv(n, block), device),)](
             src, x, rt, rt if signs is None else signs, thresholds, mags, alphas, qdata, norm, dot, sq, n, d,
             row_bytes, d ** -0.5, R=tuple(layouts[0]), A=len(alphas), ROTATE=kind, DP=dp, BLOCK_N=block,
-            PRECISION=precision, num_warps=ROWS_WARPS if dp > 64 else 4)
+            PRECISION=precision, num_warps=warps)
     elif n:
         pw = plane_width(layouts)
         programs = _programs(cdiv(n, BLOCK_N), device)
-        if rotate:
+        in_kernel = rotate and d <= ROWS_MAX_DIM
+        if in_kernel:
             src, rp = x, _planar_rotation(rotation, tuple(layouts))
             scratch = torch.empty(programs, BLOCK_N, pw, device=device)
-        else:  # identity, or a large Hadamard applied by torch first: the rotated rows' planes are read directly
-            src = to_planes(rotation.apply(x), layouts).contiguous()
+        else:  # identity, a large Hadamard (torch's butterflies) or a large dense rotation rotated first, as planes
+            src = to_planes(split_rotate(x, rotation) if rotate else rotation.apply(x), layouts).contiguous()
             rp = scratch = src  # not read
         _encode_kernel[(programs,)](
             src, x, rp, scratch, n, d, pw, mags, bounds, alphas, qdata,
             row_bytes, norm, dot, sq, R0=tuple(layouts[0]), R1=tuple(layouts[1]), R2=tuple(layouts[2]),
-            A=len(alphas), AP=max(2, next_power_of_2(len(alphas))), ROTATE=rotate,
+            A=len(alphas), AP=max(2, next_power_of_2(len(alphas))), ROTATE=in_kernel,
             DK=cdiv(d, BLOCK_K) * BLOCK_K, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, PRECISION=precision,
             num_warps=NUM_WARPS)
-    if not rotate:  # the kernel scaled the rows, not the rotation torch applied to them first
+    if not in_kernel:  # the kernel scaled the rows, not the rotation applied to them first
         rescue_unsafe_rows(encode_directions_triton, x, rotation, runs, alphas, qdata, norm, dot, sq)
     return qdata, norm, dot, sq
 

@@ -52,6 +52,11 @@ TILES_FILTER = {**TILES, 128: (32, 4), 256: (32, 8)}
 """The same for the filtering scan and the tile maxima: 32-row tiles from 128 queries on, 8 warps
 at 256 (at 4 warps the filter's hit extraction spilled registers; on an H200 at 10M x 128 tq4 and 4096
 queries its scan took 102 ms instead of 119, at 256 queries 6.8 instead of 8.2)."""
+TILES_TILE_MAX = {**TILES_FILTER, 256: (64, 4)}
+"""The same for the tile maxima: 64-row blocks and 4 warps at 256 queries (no hit extraction to spill). On an H200
+(10M x 128 tq4, GPU time of graph replays) the tile maxima of tiles of 128 rows took 56.9 ms for 4096 queries and
+3.64 ms for 256 against 68.6 and 4.34 with TILES_FILTER's 32 rows and 8 warps (32 rows and 4 warps: 58.3 and 3.69;
+64 rows and 8 warps: 90.3 and 5.50)."""
 MODE_TOPK, MODE_FILTER, MODE_MAX, MODE_TILE_MAX = 0, 1, 2, 3
 PROGRAMS_PER_SM = 4
 DECODE_GATHER, DECODE_SELECT, DECODE_PRMT = 0, 1, 2
@@ -552,8 +557,8 @@ class TritonScorer(Scorer):
         self.decode = default_decode(qs.device) if decode is None else decode
 
     def _common(self, m: int, mode: int) -> dict:
-        """Launch constants for m query rows in scan mode ``mode`` (TILES, TILES_TOPK, TILES_FILTER)."""
-        tiles = TILES_TOPK if mode == MODE_TOPK else TILES_FILTER if mode in (MODE_FILTER, MODE_TILE_MAX) else TILES
+        """Launch constants for m query rows in scan mode ``mode`` (TILES, TILES_TOPK, TILES_FILTER, TILES_TILE_MAX)."""
+        tiles = {MODE_TOPK: TILES_TOPK, MODE_FILTER: TILES_FILTER, MODE_TILE_MAX: TILES_TILE_MAX}.get(mode, TILES)
         block_q = 2 if m == 1 else min(max(tiles), max(16, next_power_of_2(m)))
         block_n, warps = tiles[block_q]
         return dict(R0=self.runs[0], R1=self.runs[1], R2=self.runs[2], L2=self.l2, DECODE=self.decode,
