@@ -178,12 +178,12 @@ def test_sampled_bound_then_filter(monkeypatch, room, nq):
 
 
 def test_batch_best_tiles_rescored(monkeypatch):
-    """Past TILE_QUERIES queries, tiles of TILE_ROWS rows (groups of the kernel's row blocks; the last partial)
+    """Past TILE_QUERIES queries, tiles of rows (groups of the kernel's row blocks; the last partial)
     keep each query's maximum where the rows re-scored are few enough: the maxima equal those of single blocks
     grouped, and the search equals the reference."""
     st = small_tiles(monkeypatch)
     monkeypatch.setattr(st, "SAMPLE_FRACTION", 3)
-    monkeypatch.setattr(st, "TILE_ROWS", 64)
+    monkeypatch.setattr(st, "TILE_ROWS_MAX", 64)
     monkeypatch.setattr(st, "BATCH_TILE_SHARE", 1)
     x, q = data(1999, 64, 15).to(DEVICE), data(40, 64, 16).to(DEVICE)
     index = flat("tq4", 64, "ip", x)
@@ -198,6 +198,16 @@ def test_batch_best_tiles_rescored(monkeypatch):
     assert torch.equal(grouped, ref)
     vals, cand, exact = scorer.candidates(codes, 5)
     assert exact and vals.shape == (40, st.candidate_depth(5) * 64)
+
+
+def test_batch_tile_rows():
+    """A batch's tiles: the largest up to TILE_ROWS_MAX whose kept tiles hold at most RESCORE_ROWS rows per query and
+    at most 1 / BATCH_TILE_SHARE of the index, never below TILE_ROWS."""
+    from tqindex.kernels.scan_triton import batch_tile_rows, candidate_depth
+
+    assert [batch_tile_rows(10_000_000, candidate_depth(k)) for k in (10, 100, 1000)] == [512, 256, 128]
+    assert batch_tile_rows(2_000_000, candidate_depth(10)) == 256  # 32 tiles of 512 rows: over 1 / 128 of the rows
+    assert batch_tile_rows(100_000, candidate_depth(10)) == 128
 
 
 @pytest.mark.parametrize("nq, k, metric", [(1, 10, "l2"), (2, 1, "ip"), (5, 5, "cosine")])

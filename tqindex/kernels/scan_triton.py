@@ -518,17 +518,30 @@ TILE_QUERIES = 16
 sampled bound below scans, a flat scan keeps only each tile's maximum per query: a query's
 candidate_depth(k) best rows lie in its that many best tiles (no other tile holds a row above the least of
 their maxima), whose rows are then scored exactly; elsewhere the sampled bound and filtering scan below (beyond
-this many queries: TILE_ROWS). On an H200 (10M x 128 tq4, graph replays) 16 queries took 0.98 ms instead of 1.20
+this many queries: TILE_ROWS_MAX). On an H200 (10M x 128 tq4, graph replays) 16 queries took 0.98 ms instead of 1.20
 at k = 10 and 1.10 instead of 1.22 at k = 100; at 390k x 50, where their rows re-scored would exceed the sample,
 0.32 and 0.46 ms instead of 0.30 and 0.32."""
-TILE_ROWS = 128
-"""Beyond TILE_QUERIES queries, tiles of this many rows (groups of the kernel's row blocks) keep their maxima
-where the rows re-scored per query (candidate_depth(k) tiles) are at most 1 / BATCH_TILE_SHARE of the rows:
-on an H200 (10M x 128 tq4, 4096 queries) the search took 84.6 ms at k = 10 and 96.5 at k = 100 instead of
-114.6 and 150.6 by the sampled bound and filtering scan (tiles of 256 rows: 85.6 and 109.1; of 64: 89.5 and
-95.6); with a tile's blocks as the inner loop (the store after it) 80.2 and 91.7 ms. At 390k x 50 (re-scored rows
-1 / 47 of the index at k = 10) the tiles lost: 8.1 ms instead of 6.4."""
+TILE_ROWS, TILE_ROWS_MAX, RESCORE_ROWS = 128, 512, 32768
+"""Beyond TILE_QUERIES queries, tiles of rows (groups of the kernel's row blocks) keep their maxima where the rows
+re-scored per query (candidate_depth(k) tiles) are at most 1 / BATCH_TILE_SHARE of the rows: tiles of the most rows
+up to TILE_ROWS_MAX whose candidate_depth(k) tiles hold at most RESCORE_ROWS rows, fewer (down to TILE_ROWS) where
+the share needs it (:func:`batch_tile_rows`). On an H100 (10M x 128 tq4, 4096 queries; 256 queries in brackets)
+tiles of 128 / 256 / 512 rows took 64.1 / 54.1 / 50.3 ms (4.34 / 3.67 / 3.43) at k = 10 and 66.9 / 59.8 / 61.9
+(4.57 / 4.05 / 4.16) at k = 100, the scan alone 47.4 (3.05): larger tiles make the maxima and their top-k cheaper
+(tile maxima 56.4 / 48.6 / 44.7 ms, ``torch.topk`` 6.7 / 3.4 / 1.8) and the re-scoring dearer (0.6 / 1.3 / 2.5 at
+k = 10, 2.5 / 5.0 / 9.9 at k = 100). An earlier H200 run against the sampled bound and filtering scan: tiles of
+128 rows 84.6 ms at k = 10 and 96.5 at k = 100 instead of 114.6 and 150.6; at 390k x 50 (re-scored rows 1 / 47 of
+the index at k = 10) the tiles lost: 8.1 ms instead of 6.4."""
 BATCH_TILE_SHARE = 128
+
+
+def batch_tile_rows(n: int, kt: int) -> int:
+    """Rows per tile of a batch's tile maxima over n rows keeping kt tiles per query (TILE_ROWS_MAX notes): a power
+    of two from TILE_ROWS to TILE_ROWS_MAX."""
+    rows = TILE_ROWS_MAX
+    while rows > TILE_ROWS and (kt * rows > RESCORE_ROWS or kt * rows * BATCH_TILE_SHARE > n):
+        rows //= 2
+    return rows
 SAMPLE_FRACTION = 8
 """A flat scan first scans one row in this many (at least SAMPLE_TILES tiles per candidate kept) and
 takes each tile's best score per query: the k-th largest of those (k distinct rows) bounds the final
@@ -621,7 +634,7 @@ class TritonScorer(Scorer):
     def candidates(self, codes: Codes, k: int, rows: Tensor | None = None) -> tuple[Tensor, Tensor, bool]:
         """Scores and rows [m, c] that hold every query's top candidate_depth(k) rows, and whether the scores
         are exact: a running top-k for small n; where few rows would be re-scored the rows of each query's best
-        tiles (TILE_QUERIES, TILE_ROWS), scored exactly; else the top-k of a sample bounds the k-th best and a
+        tiles (TILE_QUERIES, TILE_ROWS_MAX), scored exactly; else the top-k of a sample bounds the k-th best and a
         filtering scan keeps the rows that reach it (queries whose candidates overflow are scanned again with a
         running top-k)."""
         kt, m = candidate_depth(k), self.m if rows is None else len(rows)
@@ -651,7 +664,7 @@ class TritonScorer(Scorer):
         group and the sampled rows."""
         n, kt = len(codes), candidate_depth(k)
         block_n = scan_cuda.TILE if self._cuda_tiles(codes, m) else self._common(m, MODE_TILE_MAX)["BLOCK_N"]
-        group = max(1, TILE_ROWS // block_n) if m > TILE_QUERIES else 1
+        group = max(1, batch_tile_rows(n, kt) // block_n) if m > TILE_QUERIES else 1
         sample = max(n // SAMPLE_FRACTION, SAMPLE_TILES * kt * block_n)
         if n <= 2 * sample:
             return "topk", block_n, group, sample
