@@ -339,7 +339,7 @@ def _split_transpose(rotation: Any) -> tuple[Tensor, Tensor, int]:
     subnormals) as two float16 pieces whose sum is it to 22 bits, and s; cached per rotation object."""
     rt = rotation.matmul_matrix.float().T
     s = -int(torch.frexp(rt.abs().amax())[1])
-    rt = torch.ldexp(rt, torch.tensor(s)).contiguous()
+    rt = (rt * 2.0**s).contiguous()
     hi = rt.half()
     return hi, (rt - hi.float()).half(), s
 
