@@ -542,6 +542,8 @@ def batch_tile_rows(n: int, kt: int) -> int:
     while rows > TILE_ROWS and (kt * rows > RESCORE_ROWS or kt * rows * BATCH_TILE_SHARE > n):
         rows //= 2
     return rows
+
+
 SAMPLE_FRACTION = 8
 """A flat scan first scans one row in this many (at least SAMPLE_TILES tiles per candidate kept) and
 takes each tile's best score per query: the k-th largest of those (k distinct rows) bounds the final
