@@ -18,7 +18,8 @@ Every number comes from one run on one GPU:
   (``_gpu.gpu_time``: CUDA graph replays, no host launch time) unless the selection waits for the device (the
   filtering scan's overflow check; then CUDA events, marked "events"), and, for scale, the same index
   searched on the machine's CPU cores and faiss-cpu's TurboQuant scalar quantizer (``RR,SQtqmse4``), each
-  search timed once right after the same search untimed;
+  search timed once right after the same search untimed; where the search keeps each query's best tiles of rows,
+  where its GPU time goes (tile maxima, the top tiles of each query, the exact scores of their rows);
 - IVF on the GPU (GloVe-50, nlist 1024): QPS and R@1@10 over nprobe.
 
 Results: ``gpu_search.json`` (rewritten after every measurement) and ``gpu_search.md`` in ``--out``.
@@ -170,12 +171,15 @@ def measure_flat(results: _run.Results, name: str, x: torch.Tensor, q_all: torch
             fused_ms = part(lambda: scorer.candidates(codes, k))
             triton = TritonScorer(index.encoder, qs, False, cuda=False)  # beside the CUDA tile maxima, where they run
             triton_ms = part(lambda: triton.scan(codes, k, mode=MODE_MAX)) if scorer._cuda_tiles(codes, nq) else None
+            way, block_n, group, _ = scorer._candidates_plan(codes, k, nq)
+            tiles = tile_breakdown(scorer, codes, k, block_n * group, group) if way == "tiles" else None
             row = {"ms": ms, "eager_ms": eager_ms, "qps": nq / ms * 1e3, "code_TBps": code_bytes / ms / 1e9,
                    "exact_bf16_ms": exact_ms, "speedup_vs_exact_bf16": exact_ms / ms,
                    "scan_only_ms": scan_ms, "scan_topk_ms": fused_ms, "topk_overhead": fused_ms / scan_ms - 1,
                    "scan_timing": "events" if waits else "gpu",
                    "triton_scan_only_ms": triton_ms,
-                   "recall_1_at_10": recall_1_at(I, top1[:nq]), "exact_bf16_recall_1_at_10": recall_1_at(Ie, top1[:nq])}
+                   "recall_1_at_10": recall_1_at(I, top1[:nq]), "exact_bf16_recall_1_at_10": recall_1_at(Ie, top1[:nq]),
+                   **({"tiles": tiles} if tiles else {})}
             section["rows"][key] = row
             results.save()
             print(f"{name} {encoder} {key}: {ms:.3f} ms ({row['code_TBps']:.2f} TB/s of codes), exact bf16 "
@@ -185,6 +189,22 @@ def measure_flat(results: _run.Results, name: str, x: torch.Tensor, q_all: torch
     if cpu:
         measure_cpu(section, index, x, q_all, top1, metric, encoder, faiss_cores)
     results.save()
+
+
+def tile_breakdown(scorer: Any, codes: Any, k: int, tile_rows: int, group: int) -> dict[str, Any]:
+    """Where a search that keeps each query's best tiles spends its GPU time (graph replays): the tile maxima of
+    ``tile_rows`` rows (``group`` blocks of the kernel's), the top candidate_depth(k) tiles of each query, the exact
+    scores of their rows."""
+    from tqindex.kernels.scan_triton import MODE_TILE_MAX, candidate_depth
+    from tqindex.topk import top_columns
+
+    kt = candidate_depth(k)
+    maxima = scorer.scan(codes, k, mode=MODE_TILE_MAX, group=group)[0]  # [m, tiles]
+    best = top_columns(maxima, kt, "triton")[1]
+    return {"tile_rows": tile_rows, "tiles": maxima.shape[1], "kept": kt,
+            "tile_maxima_ms": gpu_time(lambda: scorer.scan(codes, k, mode=MODE_TILE_MAX, group=group)),
+            "top_tiles_ms": gpu_time(lambda: top_columns(maxima, kt, "triton")),
+            "rescore_ms": gpu_time(lambda: scorer.rescore(None, codes, best, tile_rows))}
 
 
 def measure_cpu(section: dict, index: tq.FlatIndex, x: torch.Tensor, q_all: torch.Tensor, top1: torch.Tensor,
@@ -290,6 +310,18 @@ def markdown(data: dict) -> str:
                          f"{r['exact_bf16_ms']:.3f} | {r['speedup_vs_exact_bf16']:.2f}x | {r['scan_only_ms']:.3f} | "
                          f"{triton} | {100 * r['topk_overhead']:+.0f} %{timing} | {r['recall_1_at_10']:.3f} | {cpu} | "
                          f"{fs} |")
+        tiled = {key: r for key, r in sec["rows"].items() if "tiles" in r}
+        if tiled:
+            lines += ["", "Where the searches by best tiles spend GPU time (graph replays): the tile maxima, the top tiles "
+                      "of each query, the exact scores of their rows; beside them the scan alone and the whole selection "
+                      "(scan with its candidates' selection).", "",
+                      "| queries, k | tile rows | tiles kept of | scan alone ms | tile maxima ms | top tiles ms | "
+                      "re-scoring ms | selection ms |", "|---|--:|--:|--:|--:|--:|--:|--:|"]
+            for key, r in tiled.items():
+                t = r["tiles"]
+                lines.append(f"| {key} | {t['tile_rows']} | {t['kept']} of {t['tiles']} | {r['scan_only_ms']:.3f} | "
+                             f"{t['tile_maxima_ms']:.3f} | {t['top_tiles_ms']:.3f} | {t['rescore_ms']:.3f} | "
+                             f"{r['scan_topk_ms']:.3f} |")
     if data["ivf"].get("rows"):
         ivf = data["ivf"]
         lines += ["", f"## IVF on the GPU ({ivf['data']} tq4, {ivf['n']} rows, nlist {ivf['nlist']}, {ivf['nq']} queries, "
