@@ -38,15 +38,16 @@ def test_attention_results_pages_are_their_json_rendered(monkeypatch, stem):
     assert page.count("Below: GPU time") == bool(gpu_timed) and all(page.count(f"| {key} |") == 2 for key in gpu_timed)
 
 
-def test_search_results_page_is_its_json_rendered(monkeypatch):
-    """The committed GPU search page shows exactly what its JSON holds; a row with its tiles' breakdown gets a line
+@pytest.mark.parametrize("stem", ["gpu_search_h200", "gpu_search_h100"])
+def test_search_results_page_is_its_json_rendered(monkeypatch, stem):
+    """The committed GPU search pages show exactly what their JSON holds; a row with its tiles' breakdown gets a line
     of it."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import gpu_search
 
     results = ROOT / "benchmarks" / "results"
-    data = json.loads((results / "gpu_search_h200.json").read_text())
-    assert gpu_search.markdown(data) == (results / "gpu_search_h200.md").read_text()
+    data = json.loads((results / f"{stem}.json").read_text())
+    assert gpu_search.markdown(data) == (results / f"{stem}.md").read_text()
     key, row = next(iter(next(iter(data["flat"].values()))["rows"].items()))
     row["tiles"] = {"tile_rows": 512, "tiles": 19532, "kept": 32, "tile_maxima_ms": 44.7, "top_tiles_ms": 1.83,
                     "rescore_ms": 2.51}
