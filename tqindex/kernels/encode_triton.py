@@ -339,9 +339,13 @@ def _split_transpose(rotation: Any) -> tuple[Tensor, Tensor, int]:
     subnormals) as two float16 pieces whose sum is it to 22 bits, and s; cached per rotation object."""
     rt = rotation.matmul_matrix.float().T
     s = -int(torch.frexp(rt.abs().amax())[1])
-    rt = (rt * 2.0**s).contiguous()
-    hi = rt.half()
-    return hi, (rt - hi.float()).half(), s
+    return *_halves((rt * 2.0**s).contiguous()), s
+
+
+def _halves(t: Tensor) -> tuple[Tensor, Tensor]:
+    """float32 t (magnitudes below 1) as two float16 pieces whose sum is t to 22 bits."""
+    hi = t.half()
+    return hi, (t - hi.float()).half()
 
 
 def _mm32(a: Tensor, b: Tensor) -> Tensor:
@@ -357,9 +361,7 @@ def split_rotate(x: Tensor, rotation: Any) -> Tensor:
     planes (about 135 ms of its 178: one pre-scale 160 ms, without rotation 24).
     Exact enough for rows of norms in ``checks.NORM_SAFE`` (the encoder encodes the others again, scaled)."""
     e = torch.frexp(x.abs().amax(1, keepdim=True))[1].clamp(-126, 126)
-    xs = torch.ldexp(x, -e)
-    hi = xs.half()
-    lo = (xs - hi.float()).half()
+    hi, lo = _halves(torch.ldexp(x, -e))
     r_hi, r_lo, s = _split_transpose(rotation)
     y = _mm32(hi, r_hi)
     y += _mm32(hi, r_lo)
