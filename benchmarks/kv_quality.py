@@ -87,9 +87,9 @@ QUESTION = "What is the secret passcode mentioned in the text above? Answer with
 ANSWER_PREFIX = "The secret passcode is"
 NEEDLE_MAX_NEW_TOKENS = 24  # the tokenizer splits numbers into single digits
 
-TQ_PRESETS = ("tq2", "tq3", "tq4", "fp4")
+TQ_PRESETS = ("tq2", "tq3", "tq4", "fp4", "tcq2", "tcq3", "tcq4")
 TQ_BITS = "12348"
-"""Bits of the TurboQuant encoders a ``k{a}v{b}`` preset names."""
+"""Bits of the TurboQuant encoders a ``k{a}v{b}`` preset names (``tcqk{a}v{b}``: trellis codes, bits 1-4)."""
 ENCODE_STRIDE = 1  # every tqindex cache encodes each token as it leaves its window (module notes)
 NEEDLE_BITS = 2.75  # the needle must be found by every configuration of at least this many bits per element
 DEFAULT_CONFIGS = (
@@ -122,13 +122,14 @@ class CacheSpec:
     budget_bits: float | None = None
     key_scales: str = ""  # "", or a SCALE_FORMS key
     values_unbiased: bool = False  # policies: measured and chosen among tq{b}-unbiased values
+    codes: str = "tq"  # policies: the encoders chosen among (tqindex.kv.calibrate.CODE_FAMILIES)
 
 
-def sensitivity_name(scaled: str, window: int, values_unbiased: bool = False) -> str:
+def sensitivity_name(scaled: str, window: int, values_unbiased: bool = False, codes: str = "tq") -> str:
     """The CALIBRATION entry of the sensitivity measured with key scales of form ``scaled`` (a SCALE_FORMS key) or
-    none (""), behind a window of ``window``, with plain or unbiased values."""
+    none (""), behind a window of ``window``, with plain or unbiased values, of the ``codes`` encoders."""
     return "sensitivity" + (f"-r{window}" if window else "") + (f"-{scaled}" if scaled else "") + (
-        "-vu" if values_unbiased else "")
+        "-vu" if values_unbiased else "") + (f"-{codes}" if codes != "tq" else "")
 
 
 def cache_spec(name: str) -> CacheSpec:
@@ -152,12 +153,14 @@ def cache_spec(name: str) -> CacheSpec:
         return CacheSpec(name, "tqindex", "tqindex FP8Cache: E4M3, one scale per token and head",
                          lambda cfg: FP8Cache(cfg))
     if name.startswith("policy-b"):
-        policy_match = re.fullmatch(r"policy-b(\d+(?:\.\d+)?)(?:-r(\d+))?(?:-(ks|km))?(-vu)?", name)
+        policy_match = re.fullmatch(r"policy-b(\d+(?:\.\d+)?)(?:-r(\d+))?(?:-(ks|km))?(-vu)?(-tcq)?", name)
         if not policy_match:
-            raise ValueError(f"policy configuration must look like 'policy-b3.25[-r8][-ks|-km][-vu]', got {name!r}")
+            raise ValueError("policy configuration must look like 'policy-b3.25[-r8][-ks|-km][-vu][-tcq]', "
+                             f"got {name!r}")
         bits, window = float(policy_match[1]), int(policy_match[2] or 0)
         scaled, values_unbiased = policy_match[3] or "", bool(policy_match[4])
-        measured = sensitivity_name(scaled, window, values_unbiased)
+        codes = "tcq" if policy_match[5] else "tq"
+        measured = sensitivity_name(scaled, window, values_unbiased, codes)
 
         def make_policy(cfg: Any) -> Any:
             if measured not in CALIBRATION:
@@ -169,8 +172,10 @@ def cache_spec(name: str) -> CacheSpec:
         return CacheSpec(name, "tqindex", f"TQCache with a per-layer policy calibrated for <= {bits:g} bits "
                          f"per element, window {window}, the first {SINK_LENGTH} tokens never encoded"
                          + (f", calibrated {SCALE_FORMS[scaled]}" if scaled else "")
-                         + (", values scaled to be unbiased" if values_unbiased else ""), make_policy, "tqindex",
-                         residual_length=window, budget_bits=bits, key_scales=scaled, values_unbiased=values_unbiased)
+                         + (", values scaled to be unbiased" if values_unbiased else "")
+                         + (", trellis codes" if codes == "tcq" else ""), make_policy, "tqindex",
+                         residual_length=window, budget_bits=bits, key_scales=scaled, values_unbiased=values_unbiased,
+                         codes=codes)
     if name.startswith("quanto-int"):
         try:
             bits_s, res_s = name.removeprefix("quanto-int").split("-r")
@@ -182,12 +187,13 @@ def cache_spec(name: str) -> CacheSpec:
                          lambda cfg: QuantizedCache("quanto", cfg, nbits=bits, residual_length=res),
                          residual_length=res)
     cfg_match = re.fullmatch(r"(\w+)-r(\d+)-p(\d+)(?:-s(\d+))?(-nc)?(-ku)?(-vu)?(?:-(ks|km))?", name)
-    pair = cfg_match and re.fullmatch(f"k([{TQ_BITS}])v([{TQ_BITS}])", cfg_match[1])
+    pair = cfg_match and re.fullmatch(f"(tcq)?k([{TQ_BITS}])v([{TQ_BITS}])", cfg_match[1])
     if cfg_match and (cfg_match[1] in TQ_PRESETS or pair):
         preset, res, prot, sink = (cfg_match[1], *(int(g or 0) for g in cfg_match.groups()[1:4]))
         center, unbiased, values_unbiased = not cfg_match[5], bool(cfg_match[6]), bool(cfg_match[7])
         scaled = cfg_match[8] or ""
-        kenc, venc = (preset, preset) if not pair else (f"tq{pair[1]}", f"tq{pair[2]}")
+        codes = (pair[1] or "tq") if pair else ""
+        kenc, venc = (preset, preset) if not pair else (f"{codes}{pair[2]}", f"{codes}{pair[3]}")
         if (unbiased or values_unbiased) and preset == "fp4":
             raise ValueError(f"configuration {name!r}: -ku / -vu rescale TurboQuant codes, fp4 has none")
         kenc += "-unbiased" if unbiased else ""
@@ -204,7 +210,7 @@ def cache_spec(name: str) -> CacheSpec:
             return TQCache(cfg, policy=policy.with_key_scales(CALIBRATION[scaled]), sink_length=sink,
                            encode_stride=ENCODE_STRIDE)
 
-        kv = f"tq{pair[1]} keys, tq{pair[2]} values" if pair else (
+        kv = f"{codes}{pair[2]} keys, {codes}{pair[3]} values" if pair else (
             "FP4-UE8M0 keys + values" if preset == "fp4" else f"{preset} keys + values")
         keys = (("centered keys" if center else "keys not centered")
                 + (f", calibrated {SCALE_FORMS[scaled]}" if scaled else "")
@@ -214,8 +220,8 @@ def cache_spec(name: str) -> CacheSpec:
         return CacheSpec(name, "tqindex",
                          f"TQCache {kv}, residual {res}, {prot}+{prot} protected layers, {keys}{sinks}", make,
                          "tqindex", preset, res, prot, key_scales=scaled)
-    known = ("dynamic, fp8, fp8-tq, quanto-int{2,4}-r{N}, {" + ",".join(TQ_PRESETS) + f",k[{TQ_BITS}]v[{TQ_BITS}]"
-             + "}-r{N}-p{N}[-s{N}][-nc][-ku][-vu][-ks|-km], policy-b{bits}[-r{N}][-ks|-km][-vu]")
+    known = ("dynamic, fp8, fp8-tq, quanto-int{2,4}-r{N}, {" + ",".join(TQ_PRESETS) + f",[tcq]k[{TQ_BITS}]v[{TQ_BITS}]"
+             + "}-r{N}-p{N}[-s{N}][-nc][-ku][-vu][-ks|-km], policy-b{bits}[-r{N}][-ks|-km][-vu][-tcq]")
     raise ValueError(f"unknown configuration {name!r}; known forms: {known}")
 
 
@@ -604,7 +610,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if spec.budget_bits is not None:
             try:
                 policy_for_budget(sensitivity_template(model, residual_length=spec.residual_length,
-                                                       unbiased_values=spec.values_unbiased),
+                                                       unbiased_values=spec.values_unbiased, codes=spec.codes),
                                   spec.budget_bits, context_tokens=args.tokens, encode_stride=ENCODE_STRIDE)
             except ValueError as e:
                 raise SystemExit(f"{spec.name}: {e} at {args.tokens} tokens of context") from None
@@ -616,14 +622,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ids, scale_ids = text_ids[:, :args.calibration_tokens], text_ids[:, :args.scale_tokens]
         CALIBRATION.update({form: key_scales(model, scale_ids, per_channel=form == "ks", context_tokens=args.tokens)
                             for form in {s.key_scales for s in specs} - {""}}, context_tokens=args.tokens)
-        for scaled, window, unbiased in sorted({(s.key_scales, s.residual_length, s.values_unbiased)
-                                                for s in specs if s.budget_bits is not None}):
-            CALIBRATION[sensitivity_name(scaled, window, unbiased)] = measure_sensitivity(
+        for scaled, window, unbiased, codes in sorted({(s.key_scales, s.residual_length, s.values_unbiased, s.codes)
+                                                       for s in specs if s.budget_bits is not None}):
+            CALIBRATION[sensitivity_name(scaled, window, unbiased, codes)] = measure_sensitivity(
                 model, ids, prefix=ids.shape[1] - args.calibration_scored, scored=args.calibration_scored,
                 key_scales=CALIBRATION[scaled] if scaled else None, residual_length=window,
-                unbiased_values=unbiased)
+                unbiased_values=unbiased, codes=codes)
         policies = {spec.name: policy_for_budget(
-                        CALIBRATION[sensitivity_name(spec.key_scales, spec.residual_length, spec.values_unbiased)],
+                        CALIBRATION[sensitivity_name(spec.key_scales, spec.residual_length, spec.values_unbiased,
+                                                     spec.codes)],
                         spec.budget_bits, context_tokens=args.tokens, encode_stride=ENCODE_STRIDE)
                     for spec in specs if spec.budget_bits is not None}
         calibration = {"text": _lm.text_info(text, _lm.CALIBRATION_TOPICS), "tokens": ids.shape[1],

@@ -57,6 +57,11 @@ def test_every_default_configuration_parses():
     spec = kv_quality.cache_spec("tq3-r0-p0-s4-nc-ku-ks")
     assert all(s in spec.description for s in ("first 4 tokens", "not centered", "unbiased", "per-channel key scales"))
     assert kv_quality.cache_spec("tq3-r0-p0-s4-ku-km").key_scales == "km"
+    assert "tcq4 keys, tcq2 values" in kv_quality.cache_spec("tcqk4v2-r0-p0-s4-ku").description
+    assert kv_quality.cache_spec("tcq3-r0-p0").preset == "tcq3"
+    spec = kv_quality.cache_spec("policy-b2.5-r8-km-tcq")
+    assert (spec.codes, spec.key_scales) == ("tcq", "km") and "trellis codes" in spec.description
+    assert kv_quality.sensitivity_name("km", 8, False, "tcq") == "sensitivity-r8-km-tcq"
 
 
 def test_sinks_and_unbiased_codes_reach_the_cache():

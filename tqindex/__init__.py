@@ -40,6 +40,7 @@ from .io import load_index, read_header
 from .ivf import IVFIndex
 from .pca import TurboQuantPCA
 from .rotation import Rotation
+from .trellis import TrellisMSE
 from .turboquant import TurboQuantMSE, TurboQuantProd
 
 __version__ = "0.1.0"
@@ -51,6 +52,7 @@ __all__ = [
     "FlatIndex",
     "IVFIndex",
     "Rotation",
+    "TrellisMSE",
     "TurboQuantMSE",
     "TurboQuantPCA",
     "TurboQuantProd",

@@ -200,6 +200,23 @@ def test_calibration_spends_the_budget_where_it_matters():
         measure_sensitivity(model, ids[:, :20], prefix=40, scored=16)
 
 
+def test_calibration_among_trellis_codes(tmp_path):
+    model = seeded(transformers.LlamaForCausalLM, llama_config(num_hidden_layers=2))
+    ids = prompt(length=48, seed=6)
+    sens = measure_sensitivity(model, ids, bits=(2, 4), prefix=40, scored=8, codes="tcq")
+    assert set(sens.key_kl) == {"tcq2-unbiased", "tcq4-unbiased"} and set(sens.value_kl) == {"tcq2", "tcq4"}
+    assert sum(sens.key_kl["tcq4-unbiased"]) < sum(sens.key_kl["tcq2-unbiased"])
+    policy = policy_for_budget(sens, 3.6, allow_dense=False, context_tokens=2048)
+    assert all(layer.key_encoder.startswith("tcq") and layer.value_encoder.startswith("tcq") for layer in policy.layers)
+    policy.save(tmp_path / "p.json")
+    cache = TQCache(model.config, policy=KVPolicy.load(tmp_path / "p.json"))
+    assert [type(layer.store.key_encoder).__name__ for layer in cache.layers] == ["TrellisMSE"] * 2
+    with pytest.raises(ValueError, match="widths among"):
+        sensitivity_template(model, bits=(8,), codes="tcq")
+    with pytest.raises(ValueError, match="codes"):
+        sensitivity_template(model, codes="pq")
+
+
 @pytest.mark.parametrize("side, layer, batch", [("keys", 1, 16), ("values", 2, 1)])
 def test_a_batched_trial_measures_what_its_own_cache_gives(side, layer, batch):
     """A trial measured among the batch rows of the others equals the same trial run alone: a TQCache with that

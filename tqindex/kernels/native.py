@@ -1,5 +1,5 @@
 """The compiled CPU kernels (``csrc/``: the nibble lookup-table scan with the IVF coarse step's selection,
-the Q_mse direction codes and bit packing).
+the Q_mse direction codes, the trellis search and bit packing).
 
 They are built by ``pip install`` when a C compiler is present (``setup.py``) and called through
 ctypes, which releases the GIL, so the kernels run in parallel on a thread pool. :func:`available`
@@ -31,6 +31,7 @@ _SIGNATURES = {
     "tq_group_pairs": (None, [_P, _I, _I, _I, _P, _P]),
     "tq_encode_directions": (_C, [_P, _I, _I, _P, _P, _I, _I, _P, _P, _P, _P, _P, _I, _P, _P, _P, _C]),
     "tq_pack": (_C, [_P, _I, _I, _I, _P]),
+    "tq_trellis_tail_biting": (_C, [_P, _I, _I, _P, _C, _C, _P]),
 }
 
 

@@ -49,14 +49,17 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from ..checks import check_bool, check_int
+from ..checks import check_bool, check_choice, check_int
+from ..trellis import TRELLIS_BITS
 from ..turboquant import MSE_BITS
 from .policy import ENCODE_STRIDE, SINK_LENGTH, KVPolicy, LayerPolicy, choose
 
 NEAR_EXACT = "tq8"
 """The encoder of the side (keys or values) not under measurement."""
-KEY_ENCODER = "tq{}-unbiased"
-"""The key encoders measured (by bits), those of ``TQCache``'s default."""
+CODE_FAMILIES = {"tq": MSE_BITS, "tcq": TRELLIS_BITS}
+"""The encoders a measurement chooses among: ``"tq"`` (TurboQuantMSE, ``TQCache``'s default) or ``"tcq"``
+(trellis codes, TrellisMSE), with the bit widths each has; keys ``{family}{b}-unbiased``, values ``{family}{b}``
+(``{family}{b}-unbiased`` with ``unbiased_values``)."""
 SCALE_RIDGE = 1e-3
 """Ridge added to the moments behind key scale matrices, as a fraction of their mean diagonal (directions the
 calibration text never used get a bounded scale)."""
@@ -109,10 +112,12 @@ def measure_sensitivity(
     chunk: int = 1,
     unbiased_values: bool = False,
     batch: int = TRIAL_BATCH,
+    codes: str = "tq",
 ) -> Sensitivity:
     """Each layer's sensitivity to ``"tq{b}-unbiased"`` keys and ``"tq{b}"`` values (``"tq{b}-unbiased"`` with
-    ``unbiased_values``), for b in ``bits``, behind a window of ``residual_length`` tokens, the ``scored`` tokens
-    fed ``chunk`` at a time (module notes).
+    ``unbiased_values``; ``codes="tcq"``: the trellis codes ``"tcq{b}..."``, see :data:`CODE_FAMILIES`), for b in
+    ``bits``, behind a window of ``residual_length`` tokens, the ``scored`` tokens fed ``chunk`` at a time (module
+    notes).
 
     model: a transformers causal LM; tokens: calibration token ids [1, T] (or [T]) with T >= prefix +
     scored; backend: the kernels of the trial caches' encoders; key_scales: per-layer key scales
@@ -136,7 +141,7 @@ def measure_sensitivity(
         raise ValueError(f"tokens must be ids [1, T] with T >= prefix + scored = {prefix + scored}, got {got}")
     template = sensitivity_template(model, bits=bits, prefix=prefix, scored=scored, center_keys=center_keys,
                                     key_scales=key_scales, residual_length=residual_length, chunk=chunk,
-                                    unbiased_values=unbiased_values)
+                                    unbiased_values=unbiased_values, codes=codes)
     layers = template.layers
     tokens = tokens.to(next(model.parameters()).device)
     kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -215,20 +220,21 @@ def _scored(model: Any, cache: Any, rows: int, tokens: Tensor, prefix: int, scor
 
 def sensitivity_template(model: Any, *, bits: tuple[int, ...] = (2, 3, 4), prefix: int = 384, scored: int = 64,
                          center_keys: bool = True, key_scales: Sequence[Any] | None = None, residual_length: int = 0,
-                         chunk: int = 1, unbiased_values: bool = False) -> Sensitivity:
+                         chunk: int = 1, unbiased_values: bool = False, codes: str = "tq") -> Sensitivity:
     """What :func:`measure_sensitivity` returns for ``model`` with these arguments (the same names), every KL 0,
     without running the model: the options and their bytes, so that a budget can be checked
     (:func:`policy_for_budget` raises where it is below the cheapest choice) before a long measurement."""
     from .hf import _head_dims
 
-    if not bits or any(b not in MSE_BITS for b in bits):
-        raise ValueError(f"bits must be widths among {MSE_BITS}, got {bits!r}")
+    check_choice(codes, "codes", CODE_FAMILIES)
+    if not bits or any(b not in CODE_FAMILIES[codes] for b in bits):
+        raise ValueError(f"bits must be widths among {CODE_FAMILIES[codes]} ({codes!r} codes), got {bits!r}")
     config = model.config.get_text_config(decoder=True)
     layers = len(DynamicCache(config=model.config).layers)
     key_dim, value_dim = _head_dims(config)
-    value = "tq{}-unbiased" if unbiased_values else "tq{}"
-    return Sensitivity({KEY_ENCODER.format(b): [0.0] * layers for b in bits},
-                       {value.format(b): [0.0] * layers for b in bits}, layers, config.num_key_value_heads, key_dim,
+    value = "-unbiased" if unbiased_values else ""
+    return Sensitivity({f"{codes}{b}-unbiased": [0.0] * layers for b in bits},
+                       {f"{codes}{b}{value}": [0.0] * layers for b in bits}, layers, config.num_key_value_heads, key_dim,
                        value_dim, next(model.parameters()).element_size(), prefix, scored, center_keys,
                        None if key_scales is None else
                        [None if t is None else torch.as_tensor(t).tolist() for t in key_scales],
@@ -277,7 +283,7 @@ def calibrate(model: Any, tokens: Tensor, budget_bits: float, *, bits: tuple[int
               allow_dense: bool = True, prefix: int = 384, scored: int = 64, context_tokens: int = 2048,
               sink_length: int = SINK_LENGTH, encode_stride: int = ENCODE_STRIDE, center_keys: bool = True,
               backend: str | None = None, scale_keys: bool = False, residual_length: int = 0,
-              chunk: int = 1, unbiased_values: bool = False, batch: int = TRIAL_BATCH) -> KVPolicy:
+              chunk: int = 1, unbiased_values: bool = False, batch: int = TRIAL_BATCH, codes: str = "tq") -> KVPolicy:
     """A :class:`KVPolicy` for ``model`` at most ``budget_bits`` bits per stored key/value element on
     average: :func:`measure_sensitivity` on calibration ids ``tokens`` [1, T], then :func:`policy_for_budget`
     (arguments as there); with ``scale_keys``, key scales measured on the same tokens first
@@ -285,14 +291,14 @@ def calibrate(model: Any, tokens: Tensor, budget_bits: float, *, bits: tuple[int
     as ``TQCache(model.config, policy=p)``."""
     # a budget below the cheapest choice fails now, not after the measurement
     policy_for_budget(sensitivity_template(model, bits=bits, center_keys=center_keys, residual_length=residual_length,
-                                           unbiased_values=unbiased_values),
+                                           unbiased_values=unbiased_values, codes=codes),
                       budget_bits, allow_dense=allow_dense, context_tokens=context_tokens, sink_length=sink_length,
                       encode_stride=encode_stride)
     scales = key_scales(model, tokens, context_tokens=context_tokens) if check_bool(scale_keys, "scale_keys") else None
     sensitivity = measure_sensitivity(model, tokens, bits=bits, prefix=prefix, scored=scored,
                                       center_keys=center_keys, backend=backend, key_scales=scales,
                                       residual_length=residual_length, chunk=chunk, unbiased_values=unbiased_values,
-                                      batch=batch)
+                                      batch=batch, codes=codes)
     return policy_for_budget(sensitivity, budget_bits, allow_dense=allow_dense, context_tokens=context_tokens,
                              sink_length=sink_length, encode_stride=encode_stride)
 
