@@ -98,12 +98,18 @@ def tail_biting_reference(t: Tensor, levels: Tensor, bits: int) -> Tensor:
 
 
 def tail_biting_search(t: Tensor, backend: str | None = None) -> Callable[[Tensor, Tensor, int], Tensor]:
-    """The tail-biting search for targets like t: the compiled kernel (``kernels/trellis_native.py``, float32 CPU
-    rows) or :func:`tail_biting_reference`, by ``kernels.select`` (the same symbols either way)."""
-    if kernels.select(t, backend, ("native",), "trellis encoding") == "native":
+    """The tail-biting search for targets like t, by ``kernels.select``: the compiled CPU kernel
+    (``kernels/trellis_native.py``), the GPU kernel (``kernels/trellis_triton.py``) or
+    :func:`tail_biting_reference` (the same symbols from each)."""
+    chosen = kernels.select(t, backend, ("native", "triton"), "trellis encoding")
+    if chosen == "native":
         from .kernels.trellis_native import tail_biting_native
 
         return tail_biting_native
+    if chosen == "triton":
+        from .kernels.trellis_triton import tail_biting_triton  # imports triton
+
+        return tail_biting_triton
     return tail_biting_reference
 
 
@@ -140,7 +146,7 @@ def search_directions(u: Tensor, levels: Tensor, bits: int, alphas: Tensor, back
     """Trellis codes of unit rows u [N, d] (rotated directions): for each pre-scale alpha the tail-biting
     symbols of ``alpha · sqrt(d) · u``, keeping the one whose direction is closest to u (the first alpha on
     ties). -> (symbols uint8 [N, d], <u, c> [N], ||c||² [N]) with c the code's levels / sqrt(d).
-    ``backend``: "native" (the compiled search, float32 CPU rows) or "torch" (see ``kernels.select``)."""
+    ``backend``: of the search (:func:`tail_biting_search`)."""
     n, d = u.shape
     search = tail_biting_search(u, backend)
     a = len(alphas)
