@@ -1,13 +1,13 @@
 #!/usr/bin/env python
 """Exhaustive (flat) ANN search over 1-4 bit codes: tqindex against faiss and turbovec.
 
-The default run (about 2 minutes on 2 cores, data preparation included) takes GloVe-50 (100k base
-vectors, the first 5k of its 10k queries) at 2 and 4 bits: tqindex's "tq{b}" and trained "tq{b}-pca"
-against the strongest baselines (faiss PQ fast scan at tqindex's bytes, faiss RaBitQ fast scan, faiss's
-TurboQuant scalar quantizer, turbovec plain and calibrated), prints a short summary (one line per
+The default run (about 3 minutes on 2 cores, data preparation included) takes GloVe-50 (100k base
+vectors, the first 5k of its 10k queries) at 2 and 4 bits: tqindex's "tq{b}", trellis-coded "tcq{b}" and
+trained "tq{b}-pca" against the strongest baselines (faiss PQ fast scan at tqindex's bytes, faiss RaBitQ fast
+scan, faiss's TurboQuant scalar quantizer, turbovec plain and calibrated), prints a short summary (one line per
 method) and writes a table and a plot. ``--full`` is the whole sweep: b = 1..4, all 10k queries, every
-tqindex encoder ("tq{b}", "tq{b}-*", "fp4" at b = 4, "tq{b}(rescale=...)" for per-vector scale modes
-no registry name selects) and every baseline of ``_baselines.py`` (faiss TurboQuant, EDEN, RaBitQ,
+tqindex encoder ("tq{b}", "tq{b}-*", "tcq{b}", "tcq{b}-*", "fp4" at b = 4, "tq{b}(rescale=...)" for per-vector
+scale modes no registry name selects) and every baseline of ``_baselines.py`` (faiss TurboQuant, EDEN, RaBitQ,
 RaBitQ fast scan, PQ and PQ fast scan sized to tqindex's bytes, SQ4, turbovec), with more timing rounds.
 
 Per method: the code size (codes + per-vector side data), the memory the index holds per vector (codes
@@ -56,9 +56,9 @@ import tqindex as tq  # noqa: E402
 from tqindex.data import GT_K, Dataset, cached_ground_truth, ground_truth, load_dataset  # noqa: E402
 from tqindex.metrics import recall_by_score  # noqa: E402
 
-DEFAULT_METHODS = r"^tq\d$,^tq\d-pca$,^faiss-sq-tqmse\d$,^faiss-rabitq-fs,^faiss-pq-fs,^turbovec\d"
+DEFAULT_METHODS = r"^tq\d$,^tcq\d$,^tq\d-pca$,^faiss-sq-tqmse\d$,^faiss-rabitq-fs,^faiss-pq-fs,^turbovec\d"
 """Methods of the default run (comma-separated regular expressions)."""
-QUICK_METHODS = r"^tq\d(-norm)?$,tqmse\d$,eden\d$,rabitq-fs,pq-fs,^turbovec\d$"
+QUICK_METHODS = r"^tq\d(-norm)?$,^tcq\d$,tqmse\d$,eden\d$,rabitq-fs,pq-fs,^turbovec\d$"
 """Methods of a ``--quick`` run."""
 DEFAULT_SKIP = r"faiss-sq-tq\d-unpadded"
 """Methods left out unless --skip says otherwise (see its help)."""
@@ -114,8 +114,9 @@ class TQMethod(B.Baseline):
 
 
 def tq_encoders(bits: int) -> list[str]:
-    """Registry encoders at ``bits`` per coordinate: "tq{b}", "tq{b}-*" (and "fp4" at 4 bits)."""
-    names = [n for n in tq.encoder_names() if re.fullmatch(rf"tq{bits}(-.+)?", n)]
+    """Registry encoders at ``bits`` per coordinate: "tq{b}", "tq{b}-*", the trellis codes "tcq{b}", "tcq{b}-*"
+    (and "fp4" at 4 bits)."""
+    names = [n for n in tq.encoder_names() if re.fullmatch(rf"t(c)?q{bits}(-.+)?", n)]
     names.sort(key=lambda n: (n != f"tq{bits}", n))  # the default mode first
     if bits == 4 and "fp4" in tq.encoder_names():
         names.append("fp4")
@@ -127,7 +128,7 @@ def rescale_variants(bits: int, dim: int) -> list[dict[str, Any]]:
     selects (e.g. ``{"rescale": "unbiased"}``): measured beside the registry encoders."""
     default = tq.make_encoder(f"tq{bits}", dim)
     modes = getattr(sys.modules[type(default).__module__], "RESCALE_MODES", ())
-    named = {getattr(tq.make_encoder(n, dim), "rescale", None) for n in tq_encoders(bits)}
+    named = {getattr(tq.make_encoder(n, dim), "rescale", None) for n in tq_encoders(bits) if n.startswith("tq")}
     return [{"rescale": m} for m in modes if m not in named]
 
 
