@@ -38,9 +38,9 @@ STATE_BITS = {1: 8, 2: 8, 3: 9, 4: 8}
 """Bits of a trellis state per symbol width: 256 or 512 levels, a whole number of symbols per state."""
 TRAIN_ROWS, TRAIN_DIM, TRAIN_ITERATIONS, TRAIN_SEED = 2048, 64, 10, 1
 """The level tables' training: Gaussian rows, Lloyd iterations, the generator's seed."""
-SEARCH_ROWS = 1 << 12
-"""Rows (times pre-scales) the reference Viterbi search takes at once (its back pointers are rows x d x
-levels / 2^bits bytes)."""
+SEARCH_BYTES = 1 << 26
+"""Bytes of back pointers (rows x d x levels / 2^bits) a search holds at once: the rows (times pre-scales) of one
+call of the PyTorch or Triton search."""
 
 
 def state_symbols(bits: int) -> int:
@@ -151,7 +151,7 @@ def search_directions(u: Tensor, levels: Tensor, bits: int, alphas: Tensor, back
     search = tail_biting_search(u, backend)
     a = len(alphas)
     t = (u[:, None, :] * (alphas[:, None] * math.sqrt(d))).reshape(n * a, d)
-    rows = max(1, SEARCH_ROWS // a) * a
+    rows = max(1, SEARCH_BYTES // (d * (len(levels) >> bits) * a)) * a
     symbols = torch.cat([search(t[i : i + rows], levels, bits) for i in range(0, n * a, rows)]) if n else \
         torch.zeros(0, d, dtype=torch.int64, device=u.device)
     c = levels[trellis_states(symbols, bits)].reshape(n, a, d) / math.sqrt(d)
