@@ -64,7 +64,8 @@ def test_update_returns_codes_only_for_tqindex_attention(llama):
 
 
 @pytest.mark.parametrize("residual", [0, 3])
-@pytest.mark.parametrize("encoders", [("tq8", "tq8"), ("tq4", "tq3"), ("fp4", "fp4"), ("tq3-prod", "tq2")])
+@pytest.mark.parametrize("encoders", [("tq8", "tq8"), ("tq4", "tq3"), ("fp4", "fp4"), ("tq3-prod", "tq2"),
+                                      ("tcq2-unbiased", "tcq3")])
 def test_compressed_attention_logits_equal_decode_then_sdpa(llama, encoders, residual):
     """Each step twice on identical cache contents: attention from the codes vs decoded K/V with sdpa.
 
