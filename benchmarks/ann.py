@@ -54,6 +54,7 @@ import _run  # noqa: E402
 
 import tqindex as tq  # noqa: E402
 from tqindex.data import GT_K, Dataset, cached_ground_truth, ground_truth, load_dataset  # noqa: E402
+from tqindex.directions import RESCALE_MODES  # noqa: E402
 from tqindex.metrics import recall_by_score  # noqa: E402
 
 DEFAULT_METHODS = r"^tq\d$,^tcq\d$,^tq\d-pca$,^faiss-sq-tqmse\d$,^faiss-rabitq-fs,^faiss-pq-fs,^turbovec\d"
@@ -127,7 +128,7 @@ def rescale_variants(bits: int, dim: int) -> list[dict[str, Any]]:
     """Overrides of "tq{b}" for the TurboQuantMSE per-vector scale modes that no registry name
     selects (e.g. ``{"rescale": "unbiased"}``): measured beside the registry encoders."""
     default = tq.make_encoder(f"tq{bits}", dim)
-    modes = getattr(sys.modules[type(default).__module__], "RESCALE_MODES", ())
+    modes = RESCALE_MODES if hasattr(default, "rescale") else ()
     named = {getattr(tq.make_encoder(n, dim), "rescale", None) for n in tq_encoders(bits) if n.startswith("tq")}
     return [{"rescale": m} for m in modes if m not in named]
 

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from . import kernels
-from .checks import NORM_SAFE
+from .checks import NORM_SAFE, check_choice
 from .codebooks import lookup
 from .codes import Codes
 from .encoder import ENCODE_BLOCK_ELEMENTS, WIDE_NORMS, Encoder
@@ -53,6 +53,29 @@ class CodeRun(NamedTuple):
     def nbytes(self) -> int:
         """Packed bytes of the run in a code row."""
         return packed_size(self.width, self.bits) if self.bits else 0
+
+
+RESCALE_MODES = ("norm", "unbiased", "cos")
+"""The per-vector scale s of a direction code c (``x̂ = s · Rᵀ c``): :func:`direction_scale`."""
+
+
+def check_scale_options(rescale: Any, code_search: Any, norm_dtype: Any) -> None:
+    """ValueError naming the field unless ``rescale`` is one of RESCALE_MODES, ``code_search`` an integer >= 1
+    and ``norm_dtype`` one of NORM_DTYPES (the scale options of direction codes)."""
+    check_choice(rescale, "rescale", RESCALE_MODES)
+    if not isinstance(code_search, int) or isinstance(code_search, bool) or code_search < 1:
+        raise ValueError(f"code_search must be an integer >= 1, got {code_search!r}")
+    check_choice(norm_dtype, "norm_dtype", NORM_DTYPES)
+
+
+def direction_scale(norm: Tensor, dot: Tensor, sq: Tensor, rescale: str) -> Tensor:
+    """The scale s of codes c of unit directions u of vectors of norm ``norm`` [N], with ``dot`` = <u, c> and
+    ``sq`` = ||c||² [N]: ``"norm"`` ||x||, ``"unbiased"`` ||x|| / <u, c> (inner products with u unbiased to
+    first order), ``"cos"`` ||x|| / ||c|| (the norm kept); 0 for zero vectors."""
+    if rescale == "norm":
+        return norm
+    inv = 1.0 / dot if rescale == "unbiased" else torch.rsqrt(sq)
+    return torch.where(norm > 0, norm * inv, torch.zeros_like(norm))
 
 
 def store_scale(scale: Tensor, norm_dtype: str) -> Tensor:

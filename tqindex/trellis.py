@@ -28,7 +28,8 @@ from torch import Tensor
 from . import kernels
 from .checks import check_choice
 from .codes import Codes
-from .directions import NORM_DTYPES, NORM_LIMITS, search_alphas, store_scale
+from .directions import (NORM_DTYPES, NORM_LIMITS, check_scale_options, direction_scale, search_alphas,
+                         store_scale)
 from .encoder import Encoder, register_class, register_name
 from .packing import pack_reference, packed_size, unpack
 from .rotation import ROTATION_KINDS
@@ -184,10 +185,7 @@ class TrellisMSE(Encoder):
 
     def _validate(self) -> None:
         check_choice(self.bits, "bits", TRELLIS_BITS)
-        check_choice(self.rescale, "rescale", ("norm", "unbiased", "cos"))
-        if not isinstance(self.code_search, int) or isinstance(self.code_search, bool) or self.code_search < 1:
-            raise ValueError(f"code_search must be an integer >= 1, got {self.code_search!r}")
-        check_choice(self.norm_dtype, "norm_dtype", NORM_DTYPES)
+        check_scale_options(self.rescale, self.code_search, self.norm_dtype)
         check_choice(self.rotation, "rotation", ROTATION_KINDS)
         if self.dim < state_symbols(self.bits):
             raise ValueError(f"dim must be at least {state_symbols(self.bits)} for {self.bits}-bit trellis codes "
@@ -215,12 +213,8 @@ class TrellisMSE(Encoder):
         u = y / torch.where(norm > 0, norm, torch.ones_like(norm))[:, None]
         alphas = search_alphas(self.code_search, x.device)
         symbols, dot, sq = search_directions(u, self._on(x.device)["levels"], self.bits, alphas, backend)
-        if self.rescale == "norm":
-            scale = norm
-        else:
-            inv = 1.0 / dot if self.rescale == "unbiased" else torch.rsqrt(sq)
-            scale = torch.where(norm > 0, norm * inv, torch.zeros_like(norm))
-        return Codes(qdata=pack_reference(symbols, self.bits), norm=store_scale(scale, self.norm_dtype))
+        scale = store_scale(direction_scale(norm, dot, sq, self.rescale), self.norm_dtype)
+        return Codes(qdata=pack_reference(symbols, self.bits), norm=scale)
 
     def _decode_rotated(self, codes: Codes) -> Tensor:
         symbols = unpack(codes.qdata, self.bits, self.dim)

@@ -12,13 +12,12 @@ from . import kernels
 from .checks import check_choice, unit_rows
 from .codebooks import lloyd_max, lookup
 from .codes import Codes
-from .directions import (NORM_DTYPES, NORM_LIMITS, CodeRun, DirectionEncoder, encode_directions, search_alphas,
-                         store_scale)
+from .directions import (NORM_DTYPES, NORM_LIMITS, CodeRun, DirectionEncoder, check_scale_options,
+                         direction_scale, encode_directions, search_alphas, store_scale)
 from .encoder import Encoder, register_class, register_name
 from .packing import pack, packed_size, unpack_values
 from .rotation import ROTATION_KINDS, seeded_rng
 
-RESCALE_MODES = ("norm", "unbiased", "cos")
 MSE_BITS = (1, 2, 3, 4, 8)
 _SIGNS = torch.tensor([-1.0, 1.0])
 
@@ -53,13 +52,10 @@ class TurboQuantMSE(DirectionEncoder):
 
     def _validate(self) -> None:
         check_choice(self.bits, "bits", MSE_BITS)
-        check_choice(self.rescale, "rescale", RESCALE_MODES)
-        if not isinstance(self.code_search, int) or self.code_search < 1:
-            raise ValueError(f"code_search must be an integer >= 1, got {self.code_search!r}")
+        check_scale_options(self.rescale, self.code_search, self.norm_dtype)
         if self.code_search > 1 and self.rescale == "norm":
             raise ValueError("code_search > 1 needs rescale='unbiased' or 'cos' "
                              "(rescale='norm' keeps the paper's codes)")
-        check_choice(self.norm_dtype, "norm_dtype", NORM_DTYPES)
         check_choice(self.rotation, "rotation", ROTATION_KINDS)
 
     def _build(self) -> dict[str, Tensor]:
@@ -83,12 +79,7 @@ class TurboQuantMSE(DirectionEncoder):
         search = self.code_search if self.bits > 1 else 1  # 1-bit codes are signs: nothing to search
         qdata, n, ydotc, csq = encode_directions(x, self._rotation(x.device), self.code_runs(x.device),
                                                  search_alphas(search, x.device), self._backend(backend))
-        if self.rescale == "norm":
-            scale = n
-        else:
-            inv = 1.0 / ydotc if self.rescale == "unbiased" else torch.rsqrt(csq)
-            scale = torch.where(n > 0, n * inv, torch.zeros_like(n))
-        return Codes(qdata=qdata, norm=store_scale(scale, self.norm_dtype))
+        return Codes(qdata=qdata, norm=store_scale(direction_scale(n, ydotc, csq, self.rescale), self.norm_dtype))
 
 
 @register_class
