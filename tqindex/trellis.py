@@ -115,11 +115,13 @@ def tail_biting_search(t: Tensor, backend: str | None = None) -> Callable[[Tenso
 
 
 def trellis_states(symbols: Tensor, bits: int) -> Tensor:
-    """The state of every coordinate: symbols [..., d] -> [..., d] int64 (module notes)."""
-    s = symbols.long()
+    """The state of every coordinate: symbols [..., d] -> [..., d] int32 (module notes)."""
+    m, d = state_symbols(bits), symbols.shape[-1]
+    s = symbols.to(torch.int32)
+    ring = torch.cat([s[..., d - (m - 1) :], s], -1)  # symbol i - j at ring[m - 1 + i - j]
     states = s.clone()
-    for j in range(1, state_symbols(bits)):
-        states |= torch.roll(s, j, -1) << (bits * j)
+    for j in range(1, m):
+        states |= ring[..., m - 1 - j : m - 1 - j + d] << (bits * j)
     return states
 
 
