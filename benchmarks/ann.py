@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Exhaustive (flat) ANN search over 1-4 bit codes: tqindex against faiss and turbovec.
 
-The default run (about 3 minutes on 2 cores, data preparation included) takes GloVe-50 (100k base
+The default run (about 2 minutes on 2 cores, data preparation included) takes GloVe-50 (100k base
 vectors, the first 5k of its 10k queries) at 2 and 4 bits: tqindex's "tq{b}", trellis-coded "tcq{b}" and
 trained "tq{b}-pca" against the strongest baselines (faiss PQ fast scan at tqindex's bytes, faiss RaBitQ fast
 scan, faiss's TurboQuant scalar quantizer, turbovec plain and calibrated), prints a short summary (one line per
