@@ -23,8 +23,8 @@ Configurations: ``dynamic`` (float32 ``DynamicCache``, the reference); transform
 with the ``fp8`` backend (E4M3, one scale per tensor frozen at the prefill) and the ``quanto`` backend
 (int4 / int2, groups of 64 along head_dim, residual window N: ``quanto-int4-rN``); ``fp8-tq``, tqindex's
 ``FP8Cache`` (E4M3, one scale per token and head); tqindex ``TQCache`` presets tq2 / tq3 / tq4 (TurboQuant
-keys and values at 2 / 3 / 4 bits), k{a}v{b} (a-bit keys, b-bit values; a, b in 1, 2, 3, 4, 8) and fp4
-(FP4-UE8M0),
+keys and values at 2 / 3 / 4 bits), k{a}v{b} (a-bit keys, b-bit values; a, b in 1, 2, 3, 4, 8), fp4
+(FP4-UE8M0), and the trellis codes tcq2 / tcq3 / tcq4 and tcqk{a}v{b} (a, b in 1-4),
 named ``{preset}-r{residual_length}-p{protected_layers}[-s{sink_length}]`` (``-sN``: the first N tokens never
 encoded), keys centered (``center_keys``) unless the name ends in ``-nc``, keys stored with the scale that
 makes their inner products unbiased (the ``tq{b}-unbiased`` encoders, where ``tq{b}`` keeps their norms) with
@@ -32,10 +32,10 @@ makes their inner products unbiased (the ``tq{b}-unbiased`` encoders, where ``tq
 code, so each is shrunk along its own direction by the code's cosine), with key scales
 (:func:`tqindex.kv.key_scales`, calibrated on the third text below) per channel with ``-ks``, a matrix per KV head
 with ``-km``;
-``policy-b{bits}[-r{N}][-ks|-km][-vu]``: a per-layer policy chosen by :func:`tqindex.kv.calibrate` for an average of
+``policy-b{bits}[-r{N}][-ks|-km][-vu][-tcq]``: a per-layer policy chosen by :func:`tqindex.kv.calibrate` for an average of
 at most ``bits`` bits per element at ``--tokens`` tokens of context, with ``TQCache``'s default sink tokens and a
 window of N tokens in every layer (``-ks`` / ``-km``: measured and kept with those key scales; ``-vu``: values measured and
-chosen among ``tq{b}-unbiased``), measured under real decoding behind
+chosen among ``tq{b}-unbiased``; ``-tcq``: among the trellis codes ``tcq{b}``), measured under real decoding behind
 that window and calibrated on a third text
 (:data:`_lm.CALIBRATION_TOPICS`, disjoint from both). tqindex runs use the ``"tqindex"`` attention
 implementation (attention computed from the codes) and encode each token as it leaves the window

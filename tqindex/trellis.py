@@ -12,7 +12,8 @@ dims with 0.64-0.78 times the squared error (``tests/test_trellis.py``), at abou
 
 The level table is trained once per bit width (Lloyd iterations of Viterbi paths over seeded Gaussian rows)
 and is one of the encoder's tensors, stored with the codes' configuration.
-:func:`viterbi_reference` is the PyTorch reference of the compiled search (``kernels/trellis_native.py``).
+:func:`tail_biting_reference` (two :func:`viterbi_reference` searches) is the PyTorch reference of the compiled
+and Triton searches (``kernels/trellis_native.py``, ``kernels/trellis_triton.py``).
 """
 
 from __future__ import annotations
