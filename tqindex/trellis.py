@@ -12,27 +12,27 @@ dims with 0.64-0.78 times the squared error (``tests/test_trellis.py``), at abou
 
 The level table is trained once per bit width (Lloyd iterations of Viterbi paths over seeded Gaussian rows)
 and is one of the encoder's tensors, stored with the codes' configuration.
-:func:`tail_biting_reference` (two :func:`viterbi_reference` searches) is the PyTorch reference of the compiled
-and Triton searches (``kernels/trellis_native.py``, ``kernels/trellis_triton.py``).
+:func:`tail_biting` over :func:`viterbi_reference` is the PyTorch reference of the compiled search
+(``kernels/trellis_native.py``); ``kernels/trellis_triton.py`` is the Triton twin of :func:`viterbi_reference`.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Callable
 
 import torch
 from torch import Tensor
 
 from . import kernels
-from .checks import check_choice
+from .checks import check_choice, unit_rows
 from .codes import Codes
 from .directions import (NORM_DTYPES, NORM_LIMITS, check_scale_options, direction_scale, search_alphas,
                          store_scale)
 from .encoder import Encoder, register_class, register_name
-from .packing import pack_reference, packed_size, unpack
+from .packing import pack, packed_size, unpack
 from .rotation import ROTATION_KINDS
 
 TRELLIS_BITS = (1, 2, 3, 4)
@@ -89,30 +89,31 @@ def tail_history(symbols: Tensor, bits: int) -> Tensor:
     return h
 
 
-def tail_biting_reference(t: Tensor, levels: Tensor, bits: int) -> Tensor:
+def tail_biting(t: Tensor, levels: Tensor, bits: int, viterbi: Callable[..., Tensor] = viterbi_reference) -> Tensor:
     """Tail-biting symbols [N, d] for targets t [N, d]: a free search of t turned by d // 2 chooses the
-    symbols around the string's seam (the last ones), then a search whose start and end hold them."""
-    d = t.shape[1]
-    turn = d // 2
-    seam = viterbi_reference(torch.roll(t, turn, 1), levels, bits)  # position i of t at i + turn
+    symbols around the string's seam (the last ones), then a search whose start and end hold them.
+    ``viterbi``: :func:`viterbi_reference` (this is then the reference of the compiled searches) or its Triton
+    twin (``kernels/trellis_triton.py``)."""
+    turn = t.shape[1] // 2
+    seam = viterbi(torch.roll(t, turn, 1), levels, bits)  # position i of t at i + turn
     history = tail_history(torch.roll(seam, -turn, 1), bits)
-    return viterbi_reference(t, levels, bits, history)
+    return viterbi(t, levels, bits, history)
 
 
 def tail_biting_search(t: Tensor, backend: str | None = None) -> Callable[[Tensor, Tensor, int], Tensor]:
     """The tail-biting search for targets like t, by ``kernels.select``: the compiled CPU kernel
-    (``kernels/trellis_native.py``), the GPU kernel (``kernels/trellis_triton.py``) or
-    :func:`tail_biting_reference` (the same symbols from each)."""
+    (``kernels/trellis_native.py``), :func:`tail_biting` over the GPU kernel (``kernels/trellis_triton.py``) or
+    over :func:`viterbi_reference` (the same symbols from each)."""
     chosen = kernels.select(t, backend, ("native", "triton"), "trellis encoding")
     if chosen == "native":
         from .kernels.trellis_native import tail_biting_native
 
         return tail_biting_native
     if chosen == "triton":
-        from .kernels.trellis_triton import tail_biting_triton  # imports triton
+        from .kernels.trellis_triton import viterbi_triton  # imports triton
 
-        return tail_biting_triton
-    return tail_biting_reference
+        return partial(tail_biting, viterbi=viterbi_triton)
+    return tail_biting
 
 
 def trellis_states(symbols: Tensor, bits: int) -> Tensor:
@@ -209,15 +210,11 @@ class TrellisMSE(Encoder):
         return packed_size(self.dim, self.bits)
 
     def _encode(self, x: Tensor, backend: str | None = None) -> Codes:
-        y = self._rotation(x.device).apply(x)
-        peak = y.abs().amax(1, keepdim=True)  # the norm without under- or overflow of its squares
-        peak = torch.where(peak > 0, peak, torch.ones_like(peak))
-        norm = torch.linalg.vector_norm(y / peak, dim=1) * peak[:, 0]
-        u = y / torch.where(norm > 0, norm, torch.ones_like(norm))[:, None]
+        norm, u = unit_rows(self._rotation(x.device).apply(x))
         alphas = search_alphas(self.code_search, x.device)
         symbols, dot, sq = search_directions(u, self._on(x.device)["levels"], self.bits, alphas, backend)
         scale = store_scale(direction_scale(norm, dot, sq, self.rescale), self.norm_dtype)
-        return Codes(qdata=pack_reference(symbols, self.bits), norm=scale)
+        return Codes(qdata=pack(symbols, self.bits), norm=scale)
 
     def _decode_rotated(self, codes: Codes) -> Tensor:
         symbols = unpack(codes.qdata, self.bits, self.dim)

@@ -1,5 +1,5 @@
 """Compiled tail-biting trellis search (``csrc/trellis.c``). Reference:
-:func:`tqindex.trellis.tail_biting_reference`."""
+:func:`tqindex.trellis.tail_biting`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from . import native
 
 
 def tail_biting_native(t: Tensor, levels: Tensor, bits: int) -> Tensor:
-    """:func:`tqindex.trellis.tail_biting_reference` for float32 CPU targets t [N, d] by the compiled kernel
+    """:func:`tqindex.trellis.tail_biting` for float32 CPU targets t [N, d] by the compiled kernel
     (the same symbols), rows split over torch's thread count: -> symbols [N, d] int64."""
     rows = t.float().contiguous()
     table = levels.float().contiguous()

@@ -1,11 +1,10 @@
-"""Tail-biting trellis search on GPUs (Triton), the search of :func:`tqindex.trellis.tail_biting_reference`
-(the same symbols: float32 costs summed in its order without fused multiply-adds, ties to the lowest state).
+"""Trellis search on GPUs (Triton), the search of :func:`tqindex.trellis.viterbi_reference` (the same symbols:
+float32 costs summed in its order without fused multiply-adds, ties to the lowest state).
 
 A program takes ROWS rows and holds their costs of every state [ROWS, states] in registers: per coordinate the
 least cost over each state's predecessors (a reshape to [ROWS, 2^bits, states / 2^bits] and a min over the
 middle axis), its back pointer stored as a byte, then the new costs. After the last coordinate the program
-walks its rows' back pointers from the end. Two launches make a tail-biting search: a free search of the rows
-turned by d // 2, whose symbols at the seam are the second search's first and last states.
+walks its rows' back pointers from the end. :func:`tqindex.trellis.tail_biting` makes a tail-biting search of two.
 """
 
 from __future__ import annotations
@@ -22,11 +21,11 @@ ROWS = 16
 
 
 @triton.jit
-def _search_kernel(T, LEVELS, HISTORY, BACK, SYM, n, d, shift, ROWS: tl.constexpr, BITS: tl.constexpr,
+def _search_kernel(T, LEVELS, HISTORY, BACK, SYM, n, d, ROWS: tl.constexpr, BITS: tl.constexpr,
                    STATE_BITS: tl.constexpr):
-    """Rows ``row`` of targets T [n, d]: the least-squares symbols SYM [n, d] (uint8) over targets
-    T[row, (i + shift) mod d], starting and ending in states whose low STATE_BITS - BITS bits are HISTORY[row]
-    (< 0: a free start). BACK [n, d, states >> BITS]: back pointers (scratch)."""
+    """Rows ``row`` of targets T [n, d]: the least-squares symbols SYM [n, d] (uint8), starting and ending in
+    states whose low STATE_BITS - BITS bits are HISTORY[row] (< 0: a free start). BACK [n, d, states >> BITS]:
+    back pointers (scratch)."""
     S: tl.constexpr = 1 << STATE_BITS
     FAN: tl.constexpr = 1 << BITS
     LOWS: tl.constexpr = S >> BITS
@@ -40,7 +39,7 @@ def _search_kernel(T, LEVELS, HISTORY, BACK, SYM, n, d, shift, ROWS: tl.constexp
     held = (history[:, None] < 0) | ((state[None, :] & (LOWS - 1)) == history[:, None])
     cost = tl.where(held, 0.0, float("inf"))
     for i in range(0, d):
-        x = tl.load(T + row64 * d + (i + shift) % d, mask=live, other=0.0)
+        x = tl.load(T + row64 * d + i, mask=live, other=0.0)
         by_high = tl.reshape(cost, [ROWS, FAN, LOWS])
         best = tl.min(by_high, axis=1)
         arg = tl.argmin(by_high, axis=1)
@@ -58,27 +57,16 @@ def _search_kernel(T, LEVELS, HISTORY, BACK, SYM, n, d, shift, ROWS: tl.constexp
         last = (high << (STATE_BITS - BITS)) | (last >> BITS)
 
 
-def _search(t: Tensor, levels: Tensor, bits: int, shift: int, history: Tensor) -> Tensor:
-    n, d = t.shape
-    state_bits = len(levels).bit_length() - 1
-    back = torch.empty(n, d, len(levels) >> bits, dtype=torch.uint8, device=t.device)
-    out = torch.empty(n, d, dtype=torch.uint8, device=t.device)
-    if n:
-        _search_kernel[(cdiv(n, ROWS),)](t, levels, history, back, out, n, d, shift, ROWS=ROWS, BITS=bits,
-                                         STATE_BITS=state_bits, num_warps=4, enable_fp_fusion=False)
-    return out
-
-
-def tail_biting_triton(t: Tensor, levels: Tensor, bits: int) -> Tensor:
-    """:func:`tqindex.trellis.tail_biting_reference` by the kernel of the module notes: float32 targets
-    t [N, d] on a CUDA device (or the CPU under TRITON_INTERPRET=1) -> symbols [N, d] int64 (the same)."""
-    from ..trellis import tail_history
-
-    rows = t.float().contiguous()
-    table = levels.float().contiguous()
+def viterbi_triton(t: Tensor, levels: Tensor, bits: int, history: Tensor | None = None) -> Tensor:
+    """:func:`tqindex.trellis.viterbi_reference` by the kernel of the module notes: float32 targets t [N, d] on a
+    CUDA device (or the CPU under TRITON_INTERPRET=1), history [N] or None -> symbols [N, d] int64 (the same)."""
+    rows, table = t.float().contiguous(), levels.float().contiguous()
     n, d = rows.shape
-    turn = d // 2
-    free = torch.full((n,), -1, dtype=torch.int64, device=rows.device)
-    seam = _search(rows, table, bits, d - turn, free)  # position p of t at p + turn
-    history = tail_history(torch.roll(seam, -turn, 1), bits)
-    return _search(rows, table, bits, 0, history).long()
+    if history is None:
+        history = torch.full((n,), -1, dtype=torch.int64, device=rows.device)
+    back = torch.empty(n, d, len(table) >> bits, dtype=torch.uint8, device=rows.device)
+    out = torch.empty(n, d, dtype=torch.uint8, device=rows.device)
+    if n:
+        _search_kernel[(cdiv(n, ROWS),)](rows, table, history.contiguous(), back, out, n, d, ROWS=ROWS, BITS=bits,
+                                         STATE_BITS=len(table).bit_length() - 1, num_warps=4, enable_fp_fusion=False)
+    return out.long()

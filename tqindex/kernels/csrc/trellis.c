@@ -1,4 +1,4 @@
-/* Tail-biting Viterbi search of bitshift-trellis codes (the fast path of trellis.tail_biting_reference).
+/* Tail-biting Viterbi search of bitshift-trellis codes (the fast path of trellis.tail_biting).
  *
  * A row of d targets gets d symbols of `bits` bits; coordinate i's state is the last state_bits bits of
  * the symbol string up to symbol i (symbol i lowest), its level levels[state]. The search minimizes the
