@@ -224,13 +224,14 @@ def _encode_kernel(X, XN, RP, SCRATCH, n, d, pw, MAG, BND, ALPHAS, OUT, row_byte
 @triton.jit
 def _encode_rows_kernel(X, XN, RT, SIGNS, THR, MAG, ALPHAS, OUT, NORM, DOT, SQ, n, d, row_bytes, rsqrt_d,
                         R: tl.constexpr, A: tl.constexpr, ROTATE: tl.constexpr, DP: tl.constexpr,
-                        BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                        BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, AHEAD: tl.constexpr):
     """Persistent program over row blocks of one coded run covering every coordinate, in natural order,
     each block held in registers: X [n, d] (ROTATE 0: the rotated rows; 1: rotated here by a dense rotation,
     ``y = x RT`` with RT float32 [DP, DP] the rotation's transpose, zero padded; 2: by a Hadamard rotation,
     ``y = (x * SIGNS) H / sqrt(d)`` with RT the ±1 matrix H [DP, DP]: the rows are split into two float16 pieces
     (22 bits of mantissa) whose products with ±1 are exact, summed in float32), XN [n, d] the rows as given
-    (norms). The operand RT is loaded once per program. THR [A, H]: the positive boundaries divided by each
+    (norms); with AHEAD each block's rows XN are loaded while the program works on the block before. The operand RT is
+    loaded once per program. THR [A, H]: the positive boundaries divided by each
     pre-scale (the direction search compares |u| with them; a runtime loop over the pre-scales keeps one
     pre-scale's temporaries live, not A); the codes of a group (``planes`` consecutive coordinates) are summed into
     one word by shifts."""
@@ -250,11 +251,21 @@ def _encode_rows_kernel(X, XN, RT, SIGNS, THR, MAG, ALPHAS, OUT, NORM, DOT, SQ, 
     elif ROTATE == 2:
         rt = tl.load(RT + col[:, None] * DP + col[None, :]).to(tl.float16)
         signs = tl.load(SIGNS + col)
+    if AHEAD:
+        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        xn_next = tl.load(XN + rows[:, None].to(tl.int64) * d + col[None, :],
+                          mask=(rows < n)[:, None] & (col[None, :] < d), other=0.0)
     for blk in range(pid, tl.cdiv(n, BLOCK_N), programs):
         rows = blk * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < n
         inside = rmask[:, None] & (col[None, :] < d)
-        xn = tl.load(XN + rows[:, None].to(tl.int64) * d + col[None, :], mask=inside, other=0.0)
+        if AHEAD:  # this block's rows were loaded one step ahead: the loads overlap the previous block's work
+            xn = xn_next
+            ahead = rows + programs * BLOCK_N
+            xn_next = tl.load(XN + ahead[:, None].to(tl.int64) * d + col[None, :],
+                              mask=(ahead < n)[:, None] & (col[None, :] < d), other=0.0)
+        else:
+            xn = tl.load(XN + rows[:, None].to(tl.int64) * d + col[None, :], mask=inside, other=0.0)
         scale, unscale = _row_scales(tl.max(tl.abs(xn), axis=1))
         xs = xn * scale[:, None]
         norm = tl.sqrt(tl.sum(xs * xs, axis=1))
@@ -399,7 +410,7 @@ def encode_directions_triton(x: Tensor, rotation: Any, runs: Sequence[Any], alph
         _encode_rows_kernel[(_programs(cdiv(n, block), device),)](
             src, x, rt, rt if signs is None else signs, thresholds, mags, alphas, qdata, norm, dot, sq, n, d,
             row_bytes, d ** -0.5, R=tuple(layouts[0]), A=len(alphas), ROTATE=kind, DP=dp, BLOCK_N=block,
-            PRECISION=precision, num_warps=warps)
+            PRECISION=precision, AHEAD=kind == 2, num_warps=warps)
     elif n:
         pw = plane_width(layouts)
         programs = _programs(cdiv(n, BLOCK_N), device)
