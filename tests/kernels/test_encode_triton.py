@@ -67,6 +67,18 @@ def test_both_kernels_are_exercised_by_these_tests():
     assert not any(rows_kernel(*c) for c in [("tq2", 130), ("tq8", 64), ("tq4", 384), ("tq2", 1536)])
 
 
+@pytest.mark.parametrize("name, dim", [("tq4", 64), ("tq4", 50), ("tq2", 130)])
+def test_programs_that_walk_several_row_blocks(name, dim, monkeypatch):
+    """The kernels are persistent: a program takes row blocks pid, pid + programs, ... (on GPUs a few programs per
+    multiprocessor; the register kernel loads each block's rows while it works on the block before). Two programs
+    here, so each takes several blocks, the last one partial."""
+    from tqindex.kernels import encode_triton
+
+    monkeypatch.setattr(encode_triton, "_programs", lambda blocks, device: min(blocks, 2))
+    x = torch.randn(161, dim, generator=torch.Generator().manual_seed(dim))
+    check(tq.make_encoder(name, dim), x.to(DEVICE))
+
+
 def test_trained_runs_of_several_widths():
     g = torch.Generator().manual_seed(3)
     x = (torch.randn(300, 48, generator=g) * torch.exp(-torch.arange(48) / 8)).to(DEVICE)

@@ -230,8 +230,9 @@ def _encode_rows_kernel(X, XN, RT, SIGNS, THR, MAG, ALPHAS, OUT, NORM, DOT, SQ, 
     ``y = x RT`` with RT float32 [DP, DP] the rotation's transpose, zero padded; 2: by a Hadamard rotation,
     ``y = (x * SIGNS) H / sqrt(d)`` with RT the ±1 matrix H [DP, DP]: the rows are split into two float16 pieces
     (22 bits of mantissa) whose products with ±1 are exact, summed in float32), XN [n, d] the rows as given
-    (norms); with AHEAD each block's rows XN are loaded while the program works on the block before. The operand RT is
-    loaded once per program. THR [A, H]: the positive boundaries divided by each
+    (norms); with AHEAD each block's rows XN are loaded while the program works on the block before (Hadamard
+    rotations: with the other ones the extra registers spill, compiled for sm_90). The operand RT is loaded once per
+    program. THR [A, H]: the positive boundaries divided by each
     pre-scale (the direction search compares |u| with them; a runtime loop over the pre-scales keeps one
     pre-scale's temporaries live, not A); the codes of a group (``planes`` consecutive coordinates) are summed into
     one word by shifts."""
