@@ -73,6 +73,13 @@ def _row_scales(amax):
 
 
 @triton.jit
+def _row_block(P, rows, col, n, d):
+    """Rows ``rows`` [BLOCK_N] of P [n, d] at columns ``col`` [DP], zeros outside: [BLOCK_N, DP] float32."""
+    return tl.load(P + rows[:, None].to(tl.int64) * d + col[None, :], mask=(rows < n)[:, None] & (col[None, :] < d),
+                   other=0.0)
+
+
+@triton.jit
 def _rotate_run(Y, X, RP, rows, rmask, scale, d, pw, R: tl.constexpr, DK: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     """Write the planes of one run of the rotated rows, scaled per row, ``(scale X) @ RP[:, cols]``, to the
@@ -253,20 +260,15 @@ def _encode_rows_kernel(X, XN, RT, SIGNS, THR, MAG, ALPHAS, OUT, NORM, DOT, SQ, 
         rt = tl.load(RT + col[:, None] * DP + col[None, :]).to(tl.float16)
         signs = tl.load(SIGNS + col)
     if AHEAD:
-        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        xn_next = tl.load(XN + rows[:, None].to(tl.int64) * d + col[None, :],
-                          mask=(rows < n)[:, None] & (col[None, :] < d), other=0.0)
+        xn_next = _row_block(XN, pid * BLOCK_N + tl.arange(0, BLOCK_N), col, n, d)
     for blk in range(pid, tl.cdiv(n, BLOCK_N), programs):
         rows = blk * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < n
-        inside = rmask[:, None] & (col[None, :] < d)
         if AHEAD:  # this block's rows were loaded one step ahead: the loads overlap the previous block's work
             xn = xn_next
-            ahead = rows + programs * BLOCK_N
-            xn_next = tl.load(XN + ahead[:, None].to(tl.int64) * d + col[None, :],
-                              mask=(ahead < n)[:, None] & (col[None, :] < d), other=0.0)
+            xn_next = _row_block(XN, rows + programs * BLOCK_N, col, n, d)
         else:
-            xn = tl.load(XN + rows[:, None].to(tl.int64) * d + col[None, :], mask=inside, other=0.0)
+            xn = _row_block(XN, rows, col, n, d)
         scale, unscale = _row_scales(tl.max(tl.abs(xn), axis=1))
         xs = xn * scale[:, None]
         norm = tl.sqrt(tl.sum(xs * xs, axis=1))
@@ -278,7 +280,7 @@ def _encode_rows_kernel(X, XN, RT, SIGNS, THR, MAG, ALPHAS, OUT, NORM, DOT, SQ, 
             hi = xz.to(tl.float16)
             y = tl.dot((xz - hi.to(tl.float32)).to(tl.float16), rt, tl.dot(hi, rt)) * rsqrt_d
         else:
-            y = tl.load(X + rows[:, None].to(tl.int64) * d + col[None, :], mask=inside, other=0.0) * scale[:, None]
+            y = _row_block(X, rows, col, n, d) * scale[:, None]
         u = tl.abs(y) * inv[:, None]
         best = tl.full((BLOCK_N,), float("-inf"), tl.float32)
         best_a = tl.zeros((BLOCK_N,), tl.int32)
