@@ -26,7 +26,9 @@ with the ``fp8`` backend (E4M3, one scale per tensor frozen at the prefill) and 
 keys and values at 2 / 3 / 4 bits), k{a}v{b} (a-bit keys, b-bit values; a, b in 1, 2, 3, 4, 8), fp4
 (FP4-UE8M0), and the trellis codes tcq2 / tcq3 / tcq4 and tcqk{a}v{b} (a, b in 1-4),
 named ``{preset}-r{residual_length}-p{protected_layers}[-s{sink_length}]`` (``-sN``: the first N tokens never
-encoded), keys centered (``center_keys``) unless the name ends in ``-nc``, keys stored with the scale that
+encoded; a ``-tN`` suffix: the newest N encoded tokens held at 4 bits of the same family, ``tq4`` or ``tcq4``,
+unbiased where the configuration's are, and transcoded to the configuration's codes as they age: a recent tier,
+:class:`tqindex.kv.store.RecentTier`; also on policies), keys centered (``center_keys``) unless the name ends in ``-nc``, keys stored with the scale that
 makes their inner products unbiased (the ``tq{b}-unbiased`` encoders, where ``tq{b}`` keeps their norms) with
 ``-ku``, values likewise with ``-vu`` (attention's output is then unbiased: ``tq{b}`` values point along their
 code, so each is shrunk along its own direction by the code's cosine), with key scales
@@ -123,6 +125,14 @@ class CacheSpec:
     key_scales: str = ""  # "", or a SCALE_FORMS key
     values_unbiased: bool = False  # policies: measured and chosen among tq{b}-unbiased values
     codes: str = "tq"  # policies: the encoders chosen among (tqindex.kv.calibrate.CODE_FAMILIES)
+    recent: tuple[int, str, str] | None = None  # the recent tier (recent_tier)
+
+    def policy(self, sensitivity: Any, context_tokens: int) -> Any:
+        """A policy configuration's KVPolicy for ``sensitivity`` at ``context_tokens`` tokens of context."""
+        from tqindex.kv import policy_for_budget
+
+        return policy_for_budget(sensitivity, self.budget_bits, context_tokens=context_tokens,
+                                 encode_stride=ENCODE_STRIDE, recent=self.recent)
 
 
 def sensitivity_name(scaled: str, window: int, values_unbiased: bool = False, codes: str = "tq") -> str:
@@ -130,6 +140,20 @@ def sensitivity_name(scaled: str, window: int, values_unbiased: bool = False, co
     none (""), behind a window of ``window``, with plain or unbiased values, of the ``codes`` encoders."""
     return "sensitivity" + (f"-r{window}" if window else "") + (f"-{scaled}" if scaled else "") + (
         "-vu" if values_unbiased else "") + (f"-{codes}" if codes != "tq" else "")
+
+
+def recent_tier(length: str | None, codes: str, keys_unbiased: bool, values_unbiased: bool
+                ) -> tuple[int, str, str] | None:
+    """The recent tier a ``-t{length}`` suffix names: (length, key encoder, value encoder) at 4 bits of the
+    ``codes`` family ("tq" or "tcq"), unbiased where the configuration's keys / values are; None without one."""
+    if not length:
+        return None
+    return int(length), f"{codes}4" + "-unbiased" * keys_unbiased, f"{codes}4" + "-unbiased" * values_unbiased
+
+
+def recent_label(tier: tuple[int, str, str] | None) -> str:
+    """The description of a recent tier (:func:`recent_tier`) in a configuration's label."""
+    return "" if tier is None else f", the newest {tier[0]} encoded tokens held by {tier[1]} / {tier[2]}"
 
 
 def cache_spec(name: str) -> CacheSpec:
@@ -140,7 +164,7 @@ def cache_spec(name: str) -> CacheSpec:
     """
     from transformers import DynamicCache, QuantizedCache
 
-    from tqindex.kv import FP8Cache, KVPolicy, policy_for_budget
+    from tqindex.kv import FP8Cache, KVPolicy
 
     if name == "dynamic":
         return CacheSpec(name, "reference", "DynamicCache, float32 (full precision)",
@@ -153,29 +177,31 @@ def cache_spec(name: str) -> CacheSpec:
         return CacheSpec(name, "tqindex", "tqindex FP8Cache: E4M3, one scale per token and head",
                          lambda cfg: FP8Cache(cfg))
     if name.startswith("policy-b"):
-        policy_match = re.fullmatch(r"policy-b(\d+(?:\.\d+)?)(?:-r(\d+))?(?:-(ks|km))?(-vu)?(-tcq)?", name)
+        policy_match = re.fullmatch(r"policy-b(\d+(?:\.\d+)?)(?:-r(\d+))?(?:-(ks|km))?(-vu)?(-tcq)?(?:-t(\d+))?",
+                                    name)
         if not policy_match:
-            raise ValueError("policy configuration must look like 'policy-b3.25[-r8][-ks|-km][-vu][-tcq]', "
+            raise ValueError("policy configuration must look like 'policy-b3.25[-r8][-ks|-km][-vu][-tcq][-t128]', "
                              f"got {name!r}")
         bits, window = float(policy_match[1]), int(policy_match[2] or 0)
         scaled, values_unbiased = policy_match[3] or "", bool(policy_match[4])
         codes = "tcq" if policy_match[5] else "tq"
         measured = sensitivity_name(scaled, window, values_unbiased, codes)
+        tier = recent_tier(policy_match[6], codes, True, values_unbiased)
 
         def make_policy(cfg: Any) -> Any:
             if measured not in CALIBRATION:
                 raise RuntimeError("policy configurations need the sensitivity measured by main()")
-            return TQCache(cfg, policy=policy_for_budget(CALIBRATION[measured], bits, encode_stride=ENCODE_STRIDE,
-                                                         context_tokens=CALIBRATION["context_tokens"]),
+            return TQCache(cfg, policy=spec.policy(CALIBRATION[measured], CALIBRATION["context_tokens"]),
                            encode_stride=ENCODE_STRIDE)
 
-        return CacheSpec(name, "tqindex", f"TQCache with a per-layer policy calibrated for <= {bits:g} bits "
+        spec = CacheSpec(name, "tqindex", f"TQCache with a per-layer policy calibrated for <= {bits:g} bits "
                          f"per element, window {window}, the first {SINK_LENGTH} tokens never encoded"
                          + (f", calibrated {SCALE_FORMS[scaled]}" if scaled else "")
                          + (", values scaled to be unbiased" if values_unbiased else "")
-                         + (", trellis codes" if codes == "tcq" else ""), make_policy, "tqindex",
+                         + (", trellis codes" if codes == "tcq" else "") + recent_label(tier), make_policy, "tqindex",
                          residual_length=window, budget_bits=bits, key_scales=scaled, values_unbiased=values_unbiased,
-                         codes=codes)
+                         codes=codes, recent=tier)
+        return spec
     if name.startswith("quanto-int"):
         try:
             bits_s, res_s = name.removeprefix("quanto-int").split("-r")
@@ -186,7 +212,7 @@ def cache_spec(name: str) -> CacheSpec:
                          f"QuantizedCache quanto int{bits}, groups of 64, residual {res}",
                          lambda cfg: QuantizedCache("quanto", cfg, nbits=bits, residual_length=res),
                          residual_length=res)
-    cfg_match = re.fullmatch(r"(\w+)-r(\d+)-p(\d+)(?:-s(\d+))?(-nc)?(-ku)?(-vu)?(?:-(ks|km))?", name)
+    cfg_match = re.fullmatch(r"(\w+)-r(\d+)-p(\d+)(?:-s(\d+))?(-nc)?(-ku)?(-vu)?(?:-(ks|km))?(?:-t(\d+))?", name)
     pair = cfg_match and re.fullmatch(f"(tcq)?k([{TQ_BITS}])v([{TQ_BITS}])", cfg_match[1])
     if cfg_match and (cfg_match[1] in TQ_PRESETS or pair):
         preset, res, prot, sink = (cfg_match[1], *(int(g or 0) for g in cfg_match.groups()[1:4]))
@@ -198,16 +224,21 @@ def cache_spec(name: str) -> CacheSpec:
             raise ValueError(f"configuration {name!r}: -ku / -vu rescale TurboQuant codes, fp4 has none")
         kenc += "-unbiased" if unbiased else ""
         venc += "-unbiased" if values_unbiased else ""
+        if cfg_match[9] and preset == "fp4":
+            raise ValueError(f"configuration {name!r}: -t holds the newest tokens at 4-bit TurboQuant codes, fp4 has "
+                             "none")
+        tier = recent_tier(cfg_match[9], "tcq" if preset.startswith("tcq") else "tq", unbiased, values_unbiased)
 
         def make(cfg: Any) -> Any:
-            if not scaled:
+            if not scaled and not tier:
                 return TQCache(cfg, key_encoder=kenc, value_encoder=venc, residual_length=res,
                                protected_layers=prot, center_keys=center, sink_length=sink,
                                encode_stride=ENCODE_STRIDE)
-            if scaled not in CALIBRATION:
+            if scaled and scaled not in CALIBRATION:
                 raise RuntimeError(f"-{scaled} configurations need the key scales measured by main()")
             policy = KVPolicy.uniform(len(DynamicCache(config=cfg).layers), kenc, venc, res, prot, center)
-            return TQCache(cfg, policy=policy.with_key_scales(CALIBRATION[scaled]), sink_length=sink,
+            policy = policy.with_key_scales(CALIBRATION[scaled]) if scaled else policy
+            return TQCache(cfg, policy=policy.with_recent(*tier) if tier else policy, sink_length=sink,
                            encode_stride=ENCODE_STRIDE)
 
         kv = f"{codes}{pair[2]} keys, {codes}{pair[3]} values" if pair else (
@@ -218,10 +249,11 @@ def cache_spec(name: str) -> CacheSpec:
                 + (", values scaled to be unbiased" if values_unbiased else ""))
         sinks = f", the first {sink} tokens never encoded" if sink else ""
         return CacheSpec(name, "tqindex",
-                         f"TQCache {kv}, residual {res}, {prot}+{prot} protected layers, {keys}{sinks}", make,
+                         f"TQCache {kv}, residual {res}, {prot}+{prot} protected layers, {keys}{sinks}"
+                         f"{recent_label(tier)}", make,
                          "tqindex", preset, res, prot, key_scales=scaled)
     known = ("dynamic, fp8, fp8-tq, quanto-int{2,4}-r{N}, {" + ",".join(TQ_PRESETS) + f",[tcq]k[{TQ_BITS}]v[{TQ_BITS}]"
-             + "}-r{N}-p{N}[-s{N}][-nc][-ku][-vu][-ks|-km], policy-b{bits}[-r{N}][-ks|-km][-vu][-tcq]")
+             + "}-r{N}-p{N}[-s{N}][-nc][-ku][-vu][-ks|-km][-t{N}], policy-b{bits}[-r{N}][-ks|-km][-vu][-tcq][-t{N}]")
     raise ValueError(f"unknown configuration {name!r}; known forms: {known}")
 
 
@@ -585,7 +617,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the benchmark; print the markdown table; write ``--out``.json/.md if set. -> the result."""
-    from tqindex.kv import key_scales, measure_sensitivity, policy_for_budget, sensitivity_template
+    from tqindex.kv import key_scales, measure_sensitivity, sensitivity_template
 
     args = parse_args(argv)
     specs = [cache_spec(name) for name in ["dynamic", *(c for c in args.configs if c != "dynamic")]]  # the
@@ -609,9 +641,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for spec in specs:  # a budget below its cheapest choice fails now, not after the calibration
         if spec.budget_bits is not None:
             try:
-                policy_for_budget(sensitivity_template(model, residual_length=spec.residual_length,
-                                                       unbiased_values=spec.values_unbiased, codes=spec.codes),
-                                  spec.budget_bits, context_tokens=args.tokens, encode_stride=ENCODE_STRIDE)
+                spec.policy(sensitivity_template(model, residual_length=spec.residual_length,
+                                                 unbiased_values=spec.values_unbiased, codes=spec.codes), args.tokens)
             except ValueError as e:
                 raise SystemExit(f"{spec.name}: {e} at {args.tokens} tokens of context") from None
     calibration = None
@@ -628,10 +659,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 model, ids, prefix=ids.shape[1] - args.calibration_scored, scored=args.calibration_scored,
                 key_scales=CALIBRATION[scaled] if scaled else None, residual_length=window,
                 unbiased_values=unbiased, codes=codes)
-        policies = {spec.name: policy_for_budget(
-                        CALIBRATION[sensitivity_name(spec.key_scales, spec.residual_length, spec.values_unbiased,
-                                                     spec.codes)],
-                        spec.budget_bits, context_tokens=args.tokens, encode_stride=ENCODE_STRIDE)
+        policies = {spec.name: spec.policy(CALIBRATION[sensitivity_name(spec.key_scales, spec.residual_length,
+                                                                        spec.values_unbiased, spec.codes)],
+                                           args.tokens)
                     for spec in specs if spec.budget_bits is not None}
         calibration = {"text": _lm.text_info(text, _lm.CALIBRATION_TOPICS), "tokens": ids.shape[1],
                        "scored": args.calibration_scored,

@@ -249,19 +249,22 @@ def sensitivity_template(model: Any, *, bits: tuple[int, ...] = (2, 3, 4), prefi
 
 def policy_for_budget(sensitivity: Sensitivity, budget_bits: float, *, allow_dense: bool = True,
                       context_tokens: int = 2048, sink_length: int = SINK_LENGTH,
-                      encode_stride: int = ENCODE_STRIDE) -> KVPolicy:
+                      encode_stride: int = ENCODE_STRIDE, recent: tuple[int, str, str] | None = None) -> KVPolicy:
     """The policy of least predicted loss (summed KL) whose layers store at most ``budget_bits`` bits per key/value
     element on average, side data and full-precision layers included, at a context of ``context_tokens`` tokens in a
     cache that keeps its first ``sink_length`` tokens in full precision and encodes ``encode_stride`` tokens at a
     time (``TQCache``'s defaults; :meth:`KVPolicy.bits_per_element`). Options per layer: every pair of the measured
     key encoders with every measured value encoder behind the measured window, and full precision if
-    ``allow_dense``. The policy's ``calibration`` records the budget, the bits reached, the predicted KL and the
+    ``allow_dense``; ``recent`` (length, key encoder, value encoder): every compressed option holds its newest
+    ``length`` encoded tokens by those encoders (:meth:`KVPolicy.with_recent`; their bytes are counted, the
+    sensitivities are those measured without). The policy's ``calibration`` records the budget, the bits reached, the predicted KL and the
     measurement. ValueError when the budget is below the cheapest choice."""
     check_int(context_tokens, "context_tokens", 1)
     check_int(sink_length, "sink_length", 0)
     check_int(encode_stride, "encode_stride", 1)
     s = sensitivity
-    options = [LayerPolicy(k, v, s.residual_length) for k in s.key_kl for v in s.value_kl]
+    tier = {} if recent is None else dict(zip(("recent_length", "recent_key_encoder", "recent_value_encoder"), recent))
+    options = [LayerPolicy(k, v, s.residual_length, **tier) for k in s.key_kl for v in s.value_kl]
     if allow_dense:
         options.append(LayerPolicy(dense=True))
     per_token = [o.bytes_per_token(s.heads, s.key_dim, s.value_dim, context_tokens, s.dense_bytes, s.center_keys,
@@ -277,7 +280,7 @@ def policy_for_budget(sensitivity: Sensitivity, budget_bits: float, *, allow_den
     policy.calibration = {
         "method": "per-layer KL divergence, keys and values measured apart (tqindex.kv.calibrate)",
         "budget_bits": budget_bits, "context_tokens": context_tokens, "sink_length": sink_length,
-        "encode_stride": encode_stride,
+        "encode_stride": encode_stride, **({} if recent is None else {"recent": list(recent)}),
         "bits": policy.bits_per_element(s.heads, s.key_dim, s.value_dim, context_tokens, s.dense_bytes, sink_length,
                                         encode_stride),
         "predicted_kl": sum(losses[i][j] for i, j in enumerate(chosen)), "sensitivity": s.to_dict(),

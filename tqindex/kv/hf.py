@@ -48,7 +48,7 @@ from ..encoder import Encoder, encoder_names, make_encoder
 from ..turboquant import MSE_BITS
 from .attention import causal_sdpa, compressed_attention, compressed_attention_ref, dense_attention, _scaled_queries
 from .policy import ENCODE_STRIDE, SINK_LENGTH, KVPolicy, encoder_for
-from .store import CompressedTokens, KVStore, encoder_from_key, encoder_key, tracing
+from .store import CompressedTokens, KVStore, RecentTier, encoder_from_key, encoder_key, tracing
 
 ATTN_IMPLEMENTATION = "tqindex"
 """Name of the attention implementation registered with transformers."""
@@ -145,17 +145,20 @@ class TQLayer(CacheLayerMixin):
         key_scale: Tensor | None = None,
         sink_length: int = 0,
         encode_stride: int = 1,
+        recent: RecentTier | None = None,
     ) -> None:
         # CacheLayerMixin.__init__ is not called: it assigns ``keys`` / ``values``, which are read-only here.
         self.is_initialized = False
         self.store = KVStore(key_encoder, value_encoder, residual_length, center_keys, key_scale, sink_length,
-                             encode_stride)
+                             encode_stride, recent)
         self.config = config
         self.settles = True  # encode the tokens beyond the window after each update (KVStore.settle)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "TQLayer":
         """Copy the stored tokens; the copy shares the encoders and follows the same model config."""
-        return _deepcopy_sharing(self, memo, (self.config, self.store.key_encoder, self.store.value_encoder))
+        recent = self.store.recent
+        tier = () if recent is None else (recent, recent.key_encoder, recent.value_encoder)
+        return _deepcopy_sharing(self, memo, (self.config, self.store.key_encoder, self.store.value_encoder, *tier))
 
     @property
     def keys(self) -> Tensor | None:
@@ -215,9 +218,7 @@ class TQLayer(CacheLayerMixin):
     get_max_cache_shape = get_max_length  # its name in older 5.x releases
 
     def reset(self) -> None:
-        store = self.store
-        self.store = KVStore(store.key_encoder, store.value_encoder, store.residual_length, store.center_keys,
-                             store.key_scale, store.sink_length, store.encode_stride)
+        self.store = self.store.empty_copy()
         self.is_initialized = False
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -419,8 +420,11 @@ class TQCache(DynamicCache):
             keys = encoder_for(entry.key_encoder, dims[0], self.backend)
             values = encoder_for(entry.value_encoder, dims[1], self.backend)
             scale = None if entry.key_scale is None else torch.tensor(entry.key_scale)
+            recent = None if not entry.recent_length else RecentTier(
+                entry.recent_length, encoder_for(entry.recent_key_encoder, dims[0], self.backend),
+                encoder_for(entry.recent_value_encoder, dims[1], self.backend))
             layers.append(TQLayer(keys, values, entry.residual_length, self._text_config, center, scale,
-                                  sink_length=self.sink_length, encode_stride=self.encode_stride))
+                                  sink_length=self.sink_length, encode_stride=self.encode_stride, recent=recent))
         return layers
 
     def _add_layers(self, layer_idx: int, key_states: Tensor, value_states: Tensor) -> None:
@@ -632,6 +636,8 @@ class _StoreSpec:
     scaled: bool  # the store's key_scale follows its tensors
     sink_length: int
     encode_stride: int
+    recent: tuple[int, str, str] | None  # the recent tier's length and encoders' keys
+
 
 
 def _flatten_object(obj: Any, path: str, leaves: list[tuple[str, Tensor]]) -> tuple[type, tuple]:
@@ -649,8 +655,9 @@ def _flatten_object(obj: Any, path: str, leaves: list[tuple[str, Tensor]]) -> tu
             scaled = value.key_scale is not None
             if scaled:
                 leaves.append((f"{path}{name}.key_scale", value.key_scale))
+            recent = None if value.recent is None else (value.recent.length, *value._recent_ids)
             value = _StoreSpec(value._key_id, value._value_id, value.residual_length, len(tensors), value.center_keys,
-                               scaled, value.sink_length, value.encode_stride)
+                               scaled, value.sink_length, value.encode_stride, recent)
         elif isinstance(value, Encoder):
             value = _EncoderRef(encoder_key(value))
         elif name == "layers":
@@ -672,8 +679,10 @@ def _unflatten_object(context: tuple[type, tuple], leaves: Iterator[Tensor]) -> 
             tensors = [next(leaves) for _ in range(value.tensors)]
             scale = next(leaves) if value.scaled else None
             encoders = encoder_from_key(value.key_encoder), encoder_from_key(value.value_encoder)
+            recent = None if value.recent is None else RecentTier(value.recent[0], *map(encoder_from_key,
+                                                                                        value.recent[1:]))
             value = KVStore.from_tensors(*encoders, value.residual_length, tensors, value.center_keys, scale,
-                                         value.sink_length, value.encode_stride)
+                                         value.sink_length, value.encode_stride, recent)
         elif isinstance(value, _EncoderRef):
             value = encoder_from_key(value.key)
         elif name == "layers":

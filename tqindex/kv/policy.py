@@ -17,7 +17,8 @@ of ``context_tokens`` tokens: ``(residual_length + encode_stride - 1 + sink_leng
 dense_bytes / context_tokens`` (between steps the window holds at most the newest ``residual_length +
 encode_stride - 1`` tokens and the cache's ``sink_length`` first tokens in full precision; ``dense_bytes``:
 bytes per element of the model's dtype, which windows and dense layers hold), plus the key offset of centered keys,
-``heads · Dk · 4 / context_tokens``; a dense layer holds ``heads · (Dk + Dv) · dense_bytes``. Bits per
+``heads · Dk · 4 / context_tokens``; a recent tier of N tokens (:class:`tqindex.kv.store.RecentTier`) adds
+``N · heads · (its code sizes - the layer's) / context_tokens``; a dense layer holds ``heads · (Dk + Dv) · dense_bytes``. Bits per
 element divide by ``heads · (Dk + Dv)`` elements. A layer's key scales (``LayerPolicy.key_scale``) belong to
 the model, shared by every sequence, and are not counted per token.
 """
@@ -27,7 +28,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any, Sequence
 
@@ -119,49 +120,67 @@ class LayerPolicy:
     full-precision layer). ``key_scale``: None, or per KV head the positive scale of each key channel
     (``[[float] * key head dim] * heads``; the keys are held divided by it) or an invertible matrix
     (``[[[float] * key head dim] * key head dim] * heads``; the keys are held times its inverse), see
-    :mod:`tqindex.kv.store`."""
+    :mod:`tqindex.kv.store`. ``recent_length`` N > 0: the newest N encoded tokens held by ``recent_key_encoder`` /
+    ``recent_value_encoder`` instead (a recent tier, :class:`tqindex.kv.store.RecentTier`)."""
 
     key_encoder: str | dict | None = None
     value_encoder: str | dict | None = None
     residual_length: int = 0
     dense: bool = False
     key_scale: tuple[tuple[float, ...], ...] | None = None
+    recent_length: int = 0
+    recent_key_encoder: str | dict | None = None
+    recent_value_encoder: str | dict | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.dense, bool):
             raise TypeError(f"dense must be a bool, got {type(self.dense).__name__}")
-        if not isinstance(self.residual_length, int) or isinstance(self.residual_length, bool) \
-                or self.residual_length < 0:
-            raise ValueError(f"residual_length must be an integer >= 0, got {self.residual_length!r}")
+        for name in ("residual_length", "recent_length"):
+            n = getattr(self, name)
+            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {n!r}")
         if self.key_scale is not None:
             object.__setattr__(self, "key_scale", _check_key_scale(self.key_scale))
+        tier = (self.recent_key_encoder, self.recent_value_encoder)
         if self.dense:
-            if self.key_encoder is not None or self.value_encoder is not None or self.key_scale is not None:
-                raise ValueError("a dense layer has no encoders or key scale: leave key_encoder, value_encoder "
-                                 "and key_scale out")
+            if self.key_encoder is not None or self.value_encoder is not None or self.key_scale is not None \
+                    or self.recent_length or tier != (None, None):
+                raise ValueError("a dense layer has no encoders, key scale or recent tier: leave key_encoder, "
+                                 "value_encoder, key_scale and the recent_* fields out")
             return
         if self.key_encoder is None or self.value_encoder is None:
             raise ValueError("a compressed layer needs key_encoder and value_encoder (or dense=True)")
         object.__setattr__(self, "key_encoder", _check_encoder_spec(self.key_encoder, "key_encoder"))
         object.__setattr__(self, "value_encoder", _check_encoder_spec(self.value_encoder, "value_encoder"))
+        if (self.recent_length > 0) != (None not in tier) or (not self.recent_length and tier != (None, None)):
+            raise ValueError("a recent tier needs recent_length >= 1, recent_key_encoder and recent_value_encoder "
+                             f"together, got {self.recent_length!r}, {tier[0]!r}, {tier[1]!r}")
+        for name, spec in zip(("recent_key_encoder", "recent_value_encoder"), tier):
+            if spec is not None:
+                object.__setattr__(self, name, _check_encoder_spec(spec, name))
 
     def to_dict(self) -> dict[str, Any]:
-        """``{"dense": true}`` or ``{"key_encoder": ..., "value_encoder": ..., "residual_length": n}``."""
+        """``{"dense": true}`` or ``{"key_encoder": ..., "value_encoder": ..., "residual_length": n}`` (with
+        ``key_scale`` and the ``recent_*`` fields where set)."""
         if self.dense:
             return {"dense": True}
         scale = {} if self.key_scale is None else {"key_scale": _lists(self.key_scale)}
+        recent = {} if not self.recent_length else {
+            "recent_length": self.recent_length, "recent_key_encoder": self.recent_key_encoder,
+            "recent_value_encoder": self.recent_value_encoder}
         return {"key_encoder": self.key_encoder, "value_encoder": self.value_encoder,
-                "residual_length": self.residual_length, **scale}
+                "residual_length": self.residual_length, **scale, **recent}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "LayerPolicy":
         """Inverse of :meth:`to_dict` (ValueError for unknown fields)."""
         if not isinstance(data, dict):
             raise TypeError(f"a layer entry must be a dict, got {type(data).__name__}")
-        unknown = set(data) - {"key_encoder", "value_encoder", "residual_length", "dense", "key_scale"}
+        known = ("key_encoder", "value_encoder", "residual_length", "dense", "key_scale", "recent_length",
+                 "recent_key_encoder", "recent_value_encoder")
+        unknown = set(data) - set(known)
         if unknown:
-            raise ValueError(f"unknown layer fields {sorted(unknown)}; known: key_encoder, value_encoder, "
-                             "residual_length, dense, key_scale")
+            raise ValueError(f"unknown layer fields {sorted(unknown)}; known: {', '.join(known)}")
         return cls(**data)
 
     def bytes_per_token(self, heads: int, key_dim: int, value_dim: int, context_tokens: int, dense_bytes: int,
@@ -172,6 +191,10 @@ class LayerPolicy:
             return heads * (key_dim + value_dim) * dense_bytes
         codes = heads * (encoder_for(self.key_encoder, key_dim).code_size
                          + encoder_for(self.value_encoder, value_dim).code_size)
+        if self.recent_length:
+            tier = heads * (encoder_for(self.recent_key_encoder, key_dim).code_size
+                            + encoder_for(self.recent_value_encoder, value_dim).code_size)
+            codes += self.recent_length * (tier - codes) / context_tokens
         window = (self.residual_length + encode_stride - 1 + sink_length) * heads * (key_dim + value_dim) * dense_bytes
         offset = heads * key_dim * OFFSET_BYTES if center_keys else 0
         return codes + (window + offset) / context_tokens
@@ -209,6 +232,13 @@ class KVPolicy:
         dense = set(range(protected_layers)) | set(range(num_layers - protected_layers, num_layers))
         return cls([LayerPolicy(dense=True) if i in dense else layer for i in range(num_layers)], center_keys)
 
+    def with_recent(self, length: int, key_encoder: str | dict, value_encoder: str | dict) -> "KVPolicy":
+        """A copy whose compressed layers hold their newest ``length`` encoded tokens by ``key_encoder`` /
+        ``value_encoder`` (a recent tier, :class:`LayerPolicy` ``recent_length``)."""
+        layers = [layer if layer.dense else replace(layer, recent_length=length, recent_key_encoder=key_encoder,
+                                                    recent_value_encoder=value_encoder) for layer in self.layers]
+        return KVPolicy(layers, self.center_keys, dict(self.calibration))
+
     def with_key_scales(self, scales: Sequence[Any]) -> "KVPolicy":
         """A copy whose compressed layer i holds its keys scaled by ``scales[i]`` ([KV heads, key head dim] or
         [KV heads, key head dim, key head dim] tensors or nested lists, e.g. from
@@ -219,7 +249,7 @@ class KVPolicy:
         for layer, scale in zip(self.layers, scales):
             if not layer.dense and scale is not None:
                 scale = scale.tolist() if hasattr(scale, "tolist") else scale
-                layer = LayerPolicy(layer.key_encoder, layer.value_encoder, layer.residual_length, key_scale=scale)
+                layer = replace(layer, key_scale=scale)
             layers.append(layer)
         return KVPolicy(layers, self.center_keys, dict(self.calibration))
 
@@ -283,7 +313,11 @@ class KVPolicy:
                 what = "dense" if layer.dense else (f"{_short(layer.key_encoder)} keys"
                                                     f"{' (scaled)' if layer.key_scale else ''}, "
                                                     f"{_short(layer.value_encoder)} values, "
-                                                    f"window {layer.residual_length}")
+                                                    f"window {layer.residual_length}"
+                                                    + (f", the newest {layer.recent_length} encoded by "
+                                                       f"{_short(layer.recent_key_encoder)} / "
+                                                       f"{_short(layer.recent_value_encoder)}"
+                                                       if layer.recent_length else ""))
                 span = f"layer {start}" if i - 1 == start else f"layers {start}-{i - 1}"
                 lines.append(f"{span}: {what}")
                 start = i

@@ -32,6 +32,14 @@ the codes' error, spread evenly over the coordinates of the held keys by the rot
 proportion to ``||q Mᵀ|| · ||k M⁻¹||`` instead of ``||q|| · ||k||``; directions where keys are large and
 queries small (and the reverse) stop dominating it.
 
+With a ``recent`` tier (:class:`RecentTier`), the tokens leaving the window are first encoded by the tier's own
+encoders (more bits) and held in a second pair of buffers; once the tier holds more than its ``length`` tokens, its
+oldest are decoded and encoded again by the store's encoders (transcoded: nothing of them is kept in full
+precision). In the sequence's order the tier's tokens come after the older codes and before the window. Attention
+reads them decoded at the start of the window's recent part (:meth:`KVStore.view`; a transient copy of at most
+``length + encode_stride - 1`` tokens, like the window's own). Language models attend most to their newest tokens,
+so a few of them at 4 bits cost little and remove much of the error of 2-bit codes.
+
 Traced encoding goes through the PyTorch operator ``tqindex::encode_tokens`` (:func:`encode_tokens`),
 which ``torch.compile`` and ``torch.export`` treat as one opaque call (eager code calls the encoder
 directly, without the operator's dispatch): nothing in an append reads the data on the host, so a
@@ -207,6 +215,23 @@ def in_order(window: Tensor, codes: Tensor, sink: int) -> Tensor:
     return torch.cat([window[:, :, :sink], codes, window[:, :, sink:]], dim=2)
 
 
+@dataclass(frozen=True, eq=False)
+class RecentTier:
+    """The second tier of a :class:`KVStore` (module notes): its newest ``length`` encoded tokens held by
+    ``key_encoder`` / ``value_encoder`` (of the store's key / value dims; keys as the store holds them)."""
+
+    length: int
+    key_encoder: Encoder
+    value_encoder: Encoder
+
+    def __post_init__(self) -> None:
+        check_int(self.length, "recent length", 1)
+        for name in ("key_encoder", "value_encoder"):
+            if not isinstance(getattr(self, name), Encoder):
+                raise TypeError(f"the recent tier's {name} must be a tqindex Encoder, "
+                                f"got {type(getattr(self, name)).__name__}")
+
+
 class CodesBuffer:
     """Codes [B, H, capacity] growing along the token axis (dim 2); the first ``length`` tokens are valid.
 
@@ -278,6 +303,13 @@ class CodesBuffer:
         """Keep the first ``length`` tokens (the capacity is kept)."""
         self._length = self._length[:length]
 
+    def drop(self, tokens: int) -> None:
+        """Remove the first ``tokens`` valid tokens (the others move to the front, in place)."""
+        rest = self.length - tokens
+        if tokens and rest:
+            self._data.copy_((_ALL, _ALL, slice(0, rest)), self.view().map(lambda t: t[:, :, tokens:].clone()))
+        self._length, self._view = self._length[:rest], None
+
     def select(self, index: Tensor) -> None:
         """Keep (or repeat, reorder) batch rows: ``index`` is a long or bool tensor indexing dim 0."""
         self._data, self._view = self._data[index], None
@@ -296,18 +328,26 @@ class KVStore:
     buffers (:meth:`settle`), then adds the new chunk to the window; ``encode_stride``: tokens beyond
     ``residual_length`` are encoded once there are at least this many (module notes); ``sink_length``:
     first tokens never encoded (module notes). ``center_keys``: store keys minus :attr:`key_offset`;
-    ``key_scale``: [H, Dk] per channel or [H, Dk, Dk] per head, store keys times its inverse (module notes).
+    ``key_scale``: [H, Dk] per channel or [H, Dk, Dk] per head, store keys times its inverse (module notes);
+    ``recent``: a second tier of codes for the newest encoded tokens (module notes).
     """
 
     def __init__(
         self, key_encoder: Encoder, value_encoder: Encoder, residual_length: int, center_keys: bool = False,
         key_scale: Tensor | None = None, sink_length: int = 0, encode_stride: int = 1,
+        recent: RecentTier | None = None,
     ) -> None:
         for name, enc in (("key_encoder", key_encoder), ("value_encoder", value_encoder)):
             if not isinstance(enc, Encoder):
                 raise TypeError(f"{name} must be a tqindex Encoder, got {type(enc).__name__}")
         if not isinstance(center_keys, bool):
             raise TypeError(f"center_keys must be a bool, got {type(center_keys).__name__}")
+        if recent is not None and not isinstance(recent, RecentTier):
+            raise TypeError(f"recent must be a RecentTier or None, got {type(recent).__name__}")
+        if recent is not None and (recent.key_encoder.dim, recent.value_encoder.dim) != (key_encoder.dim,
+                                                                                          value_encoder.dim):
+            raise ValueError(f"the recent tier's encoders have dims {recent.key_encoder.dim} / "
+                             f"{recent.value_encoder.dim}, the store's {key_encoder.dim} / {value_encoder.dim}")
         self.key_encoder = key_encoder
         self.value_encoder = value_encoder
         self.residual_length = check_int(residual_length, "residual_length", 0)
@@ -317,8 +357,11 @@ class KVStore:
         self.key_offset: Tensor | None = None  # [B, H, 1, Dk] float32, set by the first non-empty append
         self.key_scale = _check_scale(key_scale, key_encoder.dim)  # [H, Dk] or [H, Dk, Dk] float32, or None
         self._key_unscale = _unscale(self.key_scale)  # what held keys are multiplied by: 1 / s, or M⁻¹
+        self.recent = recent
         self.keys: CodesBuffer | None = None
         self.values: CodesBuffer | None = None
+        self.recent_keys: CodesBuffer | None = None  # the recent tier's codes (with ``recent``)
+        self.recent_values: CodesBuffer | None = None
         self._key_window: Tensor | None = None  # [B, H, W, Dk] (static: [B, H, capacity, Dk])
         self._value_window: Tensor | None = None  # [B, H, W, Dv]
         self._static: _Static | None = None  # set by make_static
@@ -328,6 +371,9 @@ class KVStore:
         """Operator keys of the encoders, kept as plain strings so that traced appends read no registry."""
         self._key_id = encoder_key(self.key_encoder)
         self._value_id = encoder_key(self.value_encoder)
+        recent = self.recent
+        self._recent_ids = None if recent is None else (encoder_key(recent.key_encoder),
+                                                        encoder_key(recent.value_encoder))
 
     def __setstate__(self, state: dict) -> None:
         """Unpickling (and deepcopy): register the encoders again (a new process has no registry)."""
@@ -345,29 +391,48 @@ class KVStore:
         key_scale: Tensor | None = None,
         sink_length: int = 0,
         encode_stride: int = 1,
+        recent: RecentTier | None = None,
     ) -> "KVStore":
         """Inverse of :meth:`tensors`: a store holding exactly those codes, windows and key offset."""
-        store = cls(key_encoder, value_encoder, residual_length, center_keys, key_scale, sink_length, encode_stride)
+        store = cls(key_encoder, value_encoder, residual_length, center_keys, key_scale, sink_length, encode_stride,
+                    recent)
         if tensors:
-            nk, nv = len(_LAYOUTS[store._key_id]), len(_LAYOUTS[store._value_id])
-            if len(tensors) not in (nk + nv + 2, nk + nv + 3) or (len(tensors) == nk + nv + 3 and not center_keys):
+            ids = [store._key_id, store._value_id, *(store._recent_ids or ())]
+            counts = [len(_LAYOUTS[i]) for i in ids]
+            n = sum(counts)
+            if len(tensors) not in (n + 2, n + 3) or (len(tensors) == n + 3 and not center_keys):
                 raise ValueError(
-                    f"expected {nk + nv + 2} tensors (key planes, value planes, 2 windows)"
-                    f"{', or one more (the key offset) with center_keys' if center_keys else ''}, got {len(tensors)}"
+                    f"expected {n + 2} tensors (key planes, value planes{', recent key and value planes' * bool(recent)}"
+                    f", 2 windows){', or one more (the key offset) with center_keys' if center_keys else ''}, "
+                    f"got {len(tensors)}"
                 )
-            store.keys, store.values = (
-                CodesBuffer(codes, codes.shape[2])
-                for codes in (_codes(store._key_id, tensors[:nk]), _codes(store._value_id, tensors[nk : nk + nv]))
-            )
-            store._key_window, store._value_window = tensors[nk + nv : nk + nv + 2]
-            store.key_offset = tensors[nk + nv + 2] if len(tensors) == nk + nv + 3 else None
+            buffers, at = [], 0
+            for key, count in zip(ids, counts):
+                codes = _codes(key, tensors[at : at + count])
+                buffers.append(CodesBuffer(codes, codes.shape[2]))
+                at += count
+            store.keys, store.values = buffers[:2]
+            if recent is not None:
+                store.recent_keys, store.recent_values = buffers[2:]
+            store._key_window, store._value_window = tensors[n : n + 2]
+            store.key_offset = tensors[n + 2] if len(tensors) == n + 3 else None
         return store
+
+    def empty_copy(self) -> "KVStore":
+        """A store of the same configuration (encoders, window, sinks, key offsets and scales, tier) holding nothing."""
+        return KVStore(self.key_encoder, self.value_encoder, self.residual_length, self.center_keys, self.key_scale,
+                       self.sink_length, self.encode_stride, self.recent)
 
     # -- state -------------------------------------------------------------------------------------
     @property
     def compressed_length(self) -> int:
-        """Tokens held as codes."""
-        return 0 if self.keys is None else self.keys.length
+        """Tokens held as codes (the recent tier's included)."""
+        return 0 if self.keys is None else self.keys.length + self.recent_length
+
+    @property
+    def recent_length(self) -> int:
+        """Tokens held in the recent tier (0 without one)."""
+        return 0 if self.recent_keys is None else self.recent_keys.length
 
     @property
     def window_length(self) -> int:
@@ -396,11 +461,11 @@ class KVStore:
 
     def tensors(self) -> list[Tensor]:
         """Everything held, as plain tensors: the planes of the valid key codes [B, H, Tc, ...], of the value
-        codes, then the key window [B, H, W, Dk] and the value window [B, H, W, Dv], then the key offset
-        [B, H, 1, Dk] once set; [] while empty."""
+        codes, with a recent tier those of its key and value codes, then the key window [B, H, W, Dk] and the
+        value window [B, H, W, Dv], then the key offset [B, H, 1, Dk] once set; [] while empty."""
         if self.keys is None:
             return []
-        planes = [t for codes in (self.keys.view(), self.values.view()) for _, t in codes.planes()]
+        planes = [t for codes in self._buffers() for _, t in codes.view().planes()]
         offset = [] if self.key_offset is None else [self.key_offset]
         return [*planes, *self._windows(), *offset]
 
@@ -413,10 +478,11 @@ class KVStore:
 
     def nbytes_compressed(self) -> tuple[int, int]:
         """(bytes, tokens) of the compressed tokens alone: the valid code planes of keys and values (with
-        their scales/norms; no window) and the tokens they encode, counted once per batch row."""
+        their scales/norms; the recent tier's too; no window) and the tokens they encode, counted once per batch
+        row."""
         if self.keys is None:
             return 0, 0
-        return self.keys.nbytes + self.values.nbytes, self._key_window.shape[0] * self.compressed_length
+        return sum(codes.nbytes for codes in self._buffers()), self._key_window.shape[0] * self.compressed_length
 
     def nbytes_dense(self) -> int:
         """Bytes a bfloat16 dense cache holds for the same tokens: 2 bytes per key and value element."""
@@ -439,6 +505,9 @@ class KVStore:
             b, h = key.shape[:2]
             self.keys = CodesBuffer(empty_codes(self._key_id, (b, h, 0), key.device))
             self.values = CodesBuffer(empty_codes(self._value_id, (b, h, 0), value.device))
+            if self.recent is not None:
+                self.recent_keys, self.recent_values = (CodesBuffer(empty_codes(i, (b, h, 0), key.device))
+                                                        for i in self._recent_ids)
             self._key_window, self._value_window = key, value
             return
         if self._static is not None:
@@ -464,11 +533,34 @@ class KVStore:
         if old < self.encode_stride:  # (nothing beyond the window, old <= 0, included: encode_stride >= 1)
             return
         leaving, rest = slice(sink, sink + old), slice(sink + old, None)  # sinks stay at the window's start
-        self.keys.append(encode_tokens(self.key_encoder, self._held_keys(self._key_window[:, :, leaving]),
-                                       self._key_id))
-        self.values.append(encode_tokens(self.value_encoder, self._value_window[:, :, leaving], self._value_id))
+        keys, values = self._held_keys(self._key_window[:, :, leaving]), self._value_window[:, :, leaving]
+        if self.recent is None:
+            self.keys.append(encode_tokens(self.key_encoder, keys, self._key_id))
+            self.values.append(encode_tokens(self.value_encoder, values, self._value_id))
+        else:
+            self._settle_recent(keys, values)
         self._key_window = torch.cat([self._key_window[:, :, :sink], self._key_window[:, :, rest]], dim=2)
         self._value_window = torch.cat([self._value_window[:, :, :sink], self._value_window[:, :, rest]], dim=2)
+
+    def _settle_recent(self, keys: Tensor, values: Tensor) -> None:
+        """Tokens leaving the window (held keys [B, H, n, Dk] float32, values [B, H, n, Dv]) into the recent tier;
+        what it then holds beyond its length into the older codes, its own tokens transcoded (module notes), those
+        of the n that would not stay in it encoded once."""
+        n, length = keys.shape[2], self.recent.length
+        direct = max(0, n - length)  # the oldest of the n, which would leave the tier at once
+        moved = max(0, self.recent_length + n - direct - length)  # the tier's oldest tokens leaving it
+        if moved or direct:
+            older = []
+            for side, buffer, tokens in ((self.recent.key_encoder, self.recent_keys, keys),
+                                         (self.recent.value_encoder, self.recent_values, values)):
+                decoded = side.decode(buffer.view()[:, :, :moved]).float()
+                older.append(torch.cat([decoded, tokens[:, :, :direct].float()], dim=2))
+                buffer.drop(moved)
+            self.keys.append(encode_tokens(self.key_encoder, older[0], self._key_id))
+            self.values.append(encode_tokens(self.value_encoder, older[1], self._value_id))
+        k_id, v_id = self._recent_ids
+        self.recent_keys.append(encode_tokens(self.recent.key_encoder, keys[:, :, direct:], k_id))
+        self.recent_values.append(encode_tokens(self.recent.value_encoder, values[:, :, direct:], v_id))
 
     def crop(self, length: int) -> None:
         """Keep the first ``length`` tokens (``0 <= length``; longer than held is a no-op)."""
@@ -478,9 +570,13 @@ class KVStore:
             return
         self.make_dynamic()
         sink = min(self.sink_held, length)
-        self.keys.crop(length - sink)
-        self.values.crop(length - sink)
-        keep = sink + max(0, length - sink - self.compressed_length)
+        rest = length - sink
+        for keys, values in ((self.keys, self.values), (self.recent_keys, self.recent_values)):
+            if keys is not None:  # the older codes, then the recent tier's
+                keys.crop(rest)
+                values.crop(rest)
+                rest = max(0, rest - keys.length)
+        keep = sink + rest
         self._key_window = self._key_window[:, :, :keep]
         self._value_window = self._value_window[:, :, :keep]
 
@@ -490,8 +586,8 @@ class KVStore:
             return
         self.make_dynamic()
         index = index.to(self._key_window.device)
-        self.keys.select(index)
-        self.values.select(index)
+        for codes in self._buffers():
+            codes.select(index)
         self._key_window = self._key_window[index]
         self._value_window = self._value_window[index]
         if self.key_offset is not None:
@@ -510,8 +606,8 @@ class KVStore:
         if self.keys is None:
             return
         self.make_dynamic()
-        self.keys.to(device, non_blocking)
-        self.values.to(device, non_blocking)
+        for codes in self._buffers():
+            codes.to(device, non_blocking)
         self._key_window = self._key_window.to(device, non_blocking=non_blocking)
         self._value_window = self._value_window.to(device, non_blocking=non_blocking)
         if self.key_offset is not None:
@@ -536,13 +632,20 @@ class KVStore:
 
     def _tokens(self, key_codes: Codes, value_codes: Codes, key_window: Tensor, value_window: Tensor,
                 lengths: Tensor | None = None) -> tuple[CompressedTokens, CompressedTokens]:
-        """(keys, values) CompressedTokens of these codes and windows, keys as the codes hold them (:meth:`view`)."""
-        if self.key_offset is not None or self.key_scale is not None:
+        """(keys, values) CompressedTokens of these codes and windows, keys as the codes hold them (:meth:`view`);
+        the recent tier's tokens decoded into the windows after their sinks."""
+        sink = self.sink_held
+        if self.recent_length:
+            held = [self._held_keys(key_window), value_window]
+            for i, (side, buffer) in enumerate(((self.recent.key_encoder, self.recent_keys),
+                                                (self.recent.value_encoder, self.recent_values))):
+                held[i] = in_order(held[i].float(), side.decode(buffer.view()).float(), sink)
+            key_window, value_window = held[0].to(key_window.dtype), held[1].to(value_window.dtype)
+        elif self.key_offset is not None or self.key_scale is not None:
             key_window = self._held_keys(key_window).to(key_window.dtype)
         scale = self.key_scale
         if scale is not None:
             scale = scale[None, :, None, :] if scale.dim() == 2 else scale.mT
-        sink = self.sink_held
         return (
             CompressedTokens(key_codes, key_window, self.key_encoder, scale, sink, lengths),
             CompressedTokens(value_codes, value_window, self.value_encoder, sink=sink, lengths=lengths),
@@ -559,8 +662,7 @@ class KVStore:
             raise ValueError("the KVStore is empty: append tokens before reading it")
         window = self._windows()[0]
         dtype = window.dtype if dtype is None else dtype
-        codes = self.key_encoder.decode(self.keys.view()).float()
-        codes = _times(codes, self.key_scale)
+        codes = _times(self._decoded(0), self.key_scale)
         codes = codes if self.key_offset is None else codes + self.key_offset
         return in_order(window.to(dtype), codes.to(dtype), self.sink_held)
 
@@ -568,8 +670,18 @@ class KVStore:
         """Decoded values [B, H, T, Dv] in ``dtype`` (default: the window's)."""
         if self.keys is None:
             raise ValueError("the KVStore is empty: append tokens before reading it")
-        values = self._windows()[1]
-        return CompressedTokens(self.values.view(), values, self.value_encoder, sink=self.sink_held).materialize(dtype)
+        window = self._windows()[1]
+        dtype = window.dtype if dtype is None else dtype
+        return in_order(window.to(dtype), self._decoded(1).to(dtype), self.sink_held)
+
+    def _decoded(self, side: int) -> Tensor:
+        """The codes of keys (side 0, as held) or values (1) decoded, float32 [B, H, Tc, D]: the older ones, then
+        the recent tier's."""
+        buffers = self._buffers()
+        encoders = [self.key_encoder, self.value_encoder, *((self.recent.key_encoder, self.recent.value_encoder)
+                                                            if self.recent is not None else ())]
+        return torch.cat([enc.decode(buffer.view()).float()
+                          for enc, buffer in zip(encoders[side::2], buffers[side::2])], dim=2)
 
     # -- fixed-capacity mode (CUDA-graph decoding) -------------------------------------------------
     @property
@@ -587,9 +699,13 @@ class KVStore:
         static store is given a larger buffer where its window must grow). Tokens leave the window as in the
         growing mode (attention reads the same tokens at every step), encoded by :meth:`prepare` before the step
         that would overflow it. ``crop``, ``select``, ``to`` and appends that do not fit return to the growing
-        mode (as does :meth:`make_dynamic`). ValueError on an empty store."""
+        mode (as does :meth:`make_dynamic`). ValueError on an empty store, and on a store with a recent tier (it
+        has no static mode)."""
         check_int(headroom, "headroom", 1)
         check_int(room, "room", 0)
+        if self.recent is not None:
+            raise ValueError("a KVStore with a recent tier has no static mode (CUDA-graph decoding): its tier moves "
+                             "tokens to the older codes at every step")
         if self._static is not None:
             if self.prepare(room):
                 return
@@ -675,6 +791,11 @@ class KVStore:
         return self._key_window[:, :, :n], self._value_window[:, :, :n]
 
     # -- helpers -----------------------------------------------------------------------------------
+    def _buffers(self) -> list[CodesBuffer]:
+        """The code buffers: keys, values, then the recent tier's keys and values where it has them."""
+        recent = [] if self.recent_keys is None else [self.recent_keys, self.recent_values]
+        return [self.keys, self.values, *recent]
+
     def _held_keys(self, keys: Tensor) -> Tensor:
         """Keys [B, H, n, Dk] as the codes hold them: float32, minus the offset, times the scale's inverse (both
         float32: each operation promotes the keys to float32 itself)."""
