@@ -206,3 +206,20 @@ def test_tqcache_with_a_tier_attends_as_decoding_does_and_flattens():
     assert again.recent.length == 4 and torch.equal(again.materialize_keys(), store.materialize_keys())
     cache.layers[0].reset()
     assert cache.layers[0].store.recent is store.recent and cache.layers[0].store.seq_length == 0
+
+    # the same tier from TQCache's arguments: the same attention, token for token
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    caches = [TQCache(model.config, policy=policy, encode_stride=1),
+              TQCache(model.config, "tcq2-unbiased", "tcq2", 1, 0, recent=(4, "tcq4-unbiased", "tcq4"), encode_stride=1)]
+    with torch.no_grad():
+        logits = [forward(model, tokens[:, :9], c).logits for c in caches]
+        for t in range(9, 14):
+            logits = [forward(model, tokens[:, t : t + 1], c).logits for c in caches]
+            assert torch.equal(logits[0], logits[1])
+    assert caches[1].layers[0].store.recent_length == 4
+    with pytest.raises(ValueError, match="either a policy or recent"):
+        TQCache(model.config, policy=policy, recent=(4, "tq4", "tq4"))
+    with pytest.raises(ValueError, match="recent length"):
+        TQCache(model.config, recent=(0, "tq4", "tq4"))
+    with pytest.raises(ValueError, match="recent key_encoder"):
+        TQCache(model.config, recent=(4, "tq9", "tq4"))

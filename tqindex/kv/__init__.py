@@ -16,7 +16,7 @@ from typing import Any
 from .attention import compressed_attention, compressed_attention_ref, dense_attention
 from .policy import KVPolicy, LayerPolicy
 from .sessions import ExtendResult, SessionStore, TurnResult, allocated_bytes
-from .store import CodesBuffer, CompressedTokens, KVStore
+from .store import CodesBuffer, CompressedTokens, KVStore, RecentTier
 
 __all__ = [
     "CodesBuffer",
@@ -28,6 +28,7 @@ __all__ = [
     "KVPolicy",
     "KVStore",
     "LayerPolicy",
+    "RecentTier",
     "Sensitivity",
     "SessionStore",
     "TQCache",

@@ -289,7 +289,11 @@ class TQCache(DynamicCache):
     tokens attention concentrates on whatever they hold, see :mod:`tqindex.kv.store`), policy or not; 0 encodes
     them like any other; encode_stride: tokens leaving the window are encoded once at least this many have
     left it (the window then holds up to ``encode_stride - 1`` tokens more than ``residual_length``), so a
-    decode step pays the host time of encoding once every ``encode_stride`` steps (1: at every step).
+    decode step pays the host time of encoding once every ``encode_stride`` steps (1: at every step);
+    recent: None, or ``(length, key_encoder, value_encoder)``: every compressed layer holds its newest ``length``
+    encoded tokens by these encoders (names or Encoder objects, e.g. ``(128, "tcq4-unbiased", "tcq4")`` beside
+    2-bit codes) and transcodes them to its own codes as they age (a recent tier,
+    :class:`~tqindex.kv.store.RecentTier`; no static mode, so no ``DecodeGraph``); a policy holds its tiers itself.
 
     Where it differs from ``DynamicCache``, deliberately:
 
@@ -325,8 +329,18 @@ class TQCache(DynamicCache):
         policy: KVPolicy | dict | str | os.PathLike | None = None,
         sink_length: int = SINK_LENGTH,
         encode_stride: int = ENCODE_STRIDE,
+        recent: tuple[int, str | Encoder, str | Encoder] | None = None,
     ) -> None:
         self.backend = kernels.check_backend(backend)
+        if recent is not None:
+            if not isinstance(recent, (tuple, list)) or len(recent) != 3:
+                raise TypeError(f"recent must be None or (length, key_encoder, value_encoder), got {recent!r}")
+            check_int(recent[0], "recent length", 1)
+            for name, spec in zip(("recent key_encoder", "recent value_encoder"), recent[1:]):
+                _check_encoder_spec(spec, name)
+            if policy is not None:
+                raise ValueError("pass either a policy or recent (a policy holds each layer's recent tier)")
+        self.recent = None if recent is None else tuple(recent)
         self.center_keys = check_bool(center_keys, "center_keys")
         self.sink_length = check_int(sink_length, "sink_length", 0)
         self.encode_stride = check_int(encode_stride, "encode_stride", 1)
@@ -364,6 +378,9 @@ class TQCache(DynamicCache):
                 if min(dims) >= 2:  # encoder objects must fit even when every layer is protected
                     _encoder(key_encoder, dims[0], "key_encoder")
                     _encoder(value_encoder, dims[1], "value_encoder")
+                    if self.recent is not None:
+                        _encoder(self.recent[1], dims[0], "recent key_encoder")
+                        _encoder(self.recent[2], dims[1], "recent value_encoder")
                 self.layers = [
                     self._layer(dims) if type(layer) is DynamicLayer and i not in protected else layer
                     for i, layer in enumerate(self.layers)
@@ -376,7 +393,7 @@ class TQCache(DynamicCache):
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "TQCache":
         """Copy the stored tokens; the copy shares the config and the encoder objects."""
-        shared = (self.config, self._text_config, self.key_encoder, self.value_encoder)
+        shared = (self.config, self._text_config, self.key_encoder, self.value_encoder, *(self.recent or ()))
         return _deepcopy_sharing(self, memo, tuple(s for s in shared if not isinstance(s, str)))
 
     @classmethod
@@ -403,8 +420,11 @@ class TQCache(DynamicCache):
             return DynamicLayer()
         keys = _encoder(self.key_encoder, dims[0], "key_encoder", self.backend)
         values = _encoder(self.value_encoder, dims[1], "value_encoder", self.backend)
+        recent = None if self.recent is None else RecentTier(
+            self.recent[0], _encoder(self.recent[1], dims[0], "recent key_encoder", self.backend),
+            _encoder(self.recent[2], dims[1], "recent value_encoder", self.backend))
         return TQLayer(keys, values, self.residual_length, self._text_config, self.center_keys,
-                       sink_length=self.sink_length, encode_stride=self.encode_stride)
+                       sink_length=self.sink_length, encode_stride=self.encode_stride, recent=recent)
 
     def _policy_layers(self, dims: tuple[int, int]) -> list[CacheLayerMixin]:
         """The layers :attr:`policy` describes: its entry i for a full-attention layer i (other layer types
