@@ -139,7 +139,7 @@ def test_policy_bits_match_the_bytes_a_cache_holds():
     config = llama_config()
     model = seeded(transformers.LlamaForCausalLM, config)
     policy = KVPolicy([LayerPolicy(dense=True), LayerPolicy("tq4", "tq2", 3), LayerPolicy("tq3", "tq8"),
-                       LayerPolicy("tq2", "tq2", 1)])
+                       LayerPolicy("tq2", "tq2", 1, recent_length=5, recent_key_encoder="tq4", recent_value_encoder="tq8")])
     cache = TQCache(config, policy=policy)
     stride = cache.encode_stride
     ids = prompt(length=30 + stride - 1)
@@ -148,6 +148,7 @@ def test_policy_bits_match_the_bytes_a_cache_holds():
         for i in range(30, ids.shape[1]):  # decode steps: the window fills up to residual_length + stride - 1
             model(input_ids=ids[:, i:i + 1], **{CACHE_KW: cache})
     assert [layer.store.window_length for layer in cache.layers[1:]] == [r + stride - 1 + 4 for r in (3, 0, 1)]
+    assert cache.layers[3].store.recent_length == 5  # the last layer's tier is full
     elements = ids.shape[1] * 4 * 2 * (32 + 32)  # tokens x layers x KV heads x (Dk + Dv)
     held = 8 * cache.nbytes() / elements
     predicted = policy.bits_per_element(2, 32, 32, ids.shape[1], 4, cache.sink_length, stride)  # float32 model
@@ -177,6 +178,14 @@ def test_calibration_spends_the_budget_where_it_matters():
     no_sinks = policy.bits_per_element(sens.heads, sens.key_dim, sens.value_dim, 2048, sens.dense_bytes)
     window = 4 + ENCODE_STRIDE - 1  # the sinks and the tokens waiting for the next encode
     assert policy.calibration["bits"] - no_sinks == pytest.approx(8 * window * sens.dense_bytes / 2048)
+    tier = (256, "tq4-unbiased", "tq4")  # the newest 256 of 2048 tokens at 4 bits: its bytes count
+    tiered = policy_for_budget(sens, 3.6, allow_dense=False, context_tokens=2048, recent=tier)
+    assert all((layer.recent_length, layer.recent_key_encoder, layer.recent_value_encoder) == tier
+               for layer in tiered.layers) and tiered.calibration["recent"] == list(tier)
+    plain = policy_for_budget(sens, 3.6, allow_dense=False, context_tokens=2048)
+    assert tiered.calibration["bits"] <= 3.6 and tiered.calibration["predicted_kl"] > plain.calibration["predicted_kl"]
+    assert tiered.calibration["bits"] == pytest.approx(tiered.bits_per_element(
+        sens.heads, sens.key_dim, sens.value_dim, 2048, sens.dense_bytes, 4, ENCODE_STRIDE))
     roomy = policy_for_budget(sens, 40.0, context_tokens=2048)  # float32 full precision fits: zero loss
     assert all(layer.dense for layer in roomy.layers) and roomy.calibration["predicted_kl"] == 0.0
     with pytest.raises(ValueError, match="below the cheapest"):

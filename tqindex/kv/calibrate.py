@@ -292,24 +292,25 @@ def calibrate(model: Any, tokens: Tensor, budget_bits: float, *, bits: tuple[int
               allow_dense: bool = True, prefix: int = 384, scored: int = 64, context_tokens: int = 2048,
               sink_length: int = SINK_LENGTH, encode_stride: int = ENCODE_STRIDE, center_keys: bool = True,
               backend: str | None = None, scale_keys: bool = False, residual_length: int = 0,
-              chunk: int = 1, unbiased_values: bool = False, batch: int = TRIAL_BATCH, codes: str = "tq") -> KVPolicy:
+              chunk: int = 1, unbiased_values: bool = False, batch: int = TRIAL_BATCH, codes: str = "tq",
+              recent: tuple[int, str, str] | None = None) -> KVPolicy:
     """A :class:`KVPolicy` for ``model`` at most ``budget_bits`` bits per stored key/value element on
     average: :func:`measure_sensitivity` on calibration ids ``tokens`` [1, T], then :func:`policy_for_budget`
     (arguments as there); with ``scale_keys``, key scales measured on the same tokens first
     (:func:`key_scales`), which the measurement and the policy use. Save it with :meth:`KVPolicy.save`; use it
-    as ``TQCache(model.config, policy=p)``."""
+    as ``TQCache(model.config, policy=p)``; ``recent``: as in :func:`policy_for_budget`."""
     # a budget below the cheapest choice fails now, not after the measurement
     policy_for_budget(sensitivity_template(model, bits=bits, center_keys=center_keys, residual_length=residual_length,
                                            unbiased_values=unbiased_values, codes=codes),
                       budget_bits, allow_dense=allow_dense, context_tokens=context_tokens, sink_length=sink_length,
-                      encode_stride=encode_stride)
+                      encode_stride=encode_stride, recent=recent)
     scales = key_scales(model, tokens, context_tokens=context_tokens) if check_bool(scale_keys, "scale_keys") else None
     sensitivity = measure_sensitivity(model, tokens, bits=bits, prefix=prefix, scored=scored,
                                       center_keys=center_keys, backend=backend, key_scales=scales,
                                       residual_length=residual_length, chunk=chunk, unbiased_values=unbiased_values,
                                       batch=batch, codes=codes)
     return policy_for_budget(sensitivity, budget_bits, allow_dense=allow_dense, context_tokens=context_tokens,
-                             sink_length=sink_length, encode_stride=encode_stride)
+                             sink_length=sink_length, encode_stride=encode_stride, recent=recent)
 
 
 _CAPTURE = "tqindex-calibrate-capture"
