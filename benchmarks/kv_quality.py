@@ -28,7 +28,8 @@ keys and values at 2 / 3 / 4 bits), k{a}v{b} (a-bit keys, b-bit values; a, b in 
 named ``{preset}-r{residual_length}-p{protected_layers}[-s{sink_length}]`` (``-sN``: the first N tokens never
 encoded; a ``-tN`` suffix: the newest N encoded tokens held at 4 bits of the same family, ``tq4`` or ``tcq4``,
 unbiased where the configuration's are, and transcoded to the configuration's codes as they age: a recent tier,
-:class:`tqindex.kv.store.RecentTier`; also on policies), keys centered (``center_keys``) unless the name ends in ``-nc``, keys stored with the scale that
+:class:`tqindex.kv.store.RecentTier`; also on policies), keys centered (``center_keys``) unless the name ends in
+``-nc``, keys stored with the scale that
 makes their inner products unbiased (the ``tq{b}-unbiased`` encoders, where ``tq{b}`` keeps their norms) with
 ``-ku``, values likewise with ``-vu`` (attention's output is then unbiased: ``tq{b}`` values point along their
 code, so each is shrunk along its own direction by the code's cosine), with key scales

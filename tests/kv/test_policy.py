@@ -139,7 +139,8 @@ def test_policy_bits_match_the_bytes_a_cache_holds():
     config = llama_config()
     model = seeded(transformers.LlamaForCausalLM, config)
     policy = KVPolicy([LayerPolicy(dense=True), LayerPolicy("tq4", "tq2", 3), LayerPolicy("tq3", "tq8"),
-                       LayerPolicy("tq2", "tq2", 1, recent_length=5, recent_key_encoder="tq4", recent_value_encoder="tq8")])
+                       LayerPolicy("tq2", "tq2", 1, recent_length=5, recent_key_encoder="tq4",
+                                   recent_value_encoder="tq8")])
     cache = TQCache(config, policy=policy)
     stride = cache.encode_stride
     ids = prompt(length=30 + stride - 1)

@@ -46,7 +46,8 @@ def _expected(store: KVStore, x: torch.Tensor, chunks: list[int], side: int) -> 
         leaving = [t for t in range(SINKS, window_start) if t not in tier_tokens and not _old(held, x, t)]
         direct = leaving[: max(0, len(leaving) - TIER)]
         tier_tokens += leaving[len(direct):]
-        moved, tier_tokens = tier_tokens[: max(0, len(tier_tokens) - TIER)], tier_tokens[max(0, len(tier_tokens) - TIER):]
+        keep = max(0, len(tier_tokens) - TIER)
+        moved, tier_tokens = tier_tokens[:keep], tier_tokens[keep:]
         for t in moved:
             held[:, :, t] = _round_trip(old, _round_trip(recent, x[:, :, t : t + 1]))[:, :, 0]
         for t in direct:
@@ -63,6 +64,8 @@ def _old(held: torch.Tensor, x: torch.Tensor, t: int) -> bool:
 
 
 def _fill(store: KVStore, chunks: list[int], check=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Append chunks of the given sizes as a cache layer does (``check(store, n)`` on what the step attends, then
+    settle); return all keys and values appended."""
     ks, vs = [], []
     for i, n in enumerate(chunks):
         k, v = _tokens(n, 2 * i), _tokens(n, 2 * i + 1)
@@ -166,7 +169,8 @@ def test_policy_with_a_tier_round_trips_and_counts_its_bytes():
     assert "the newest 128 encoded by tcq4-unbiased / tcq4" in policy.describe()
     layer, plain = policy.layers[1], LayerPolicy("tcq2-unbiased", "tcq2")
     d = 64
-    extra = 2 * 2 * (tq.make_encoder("tcq4", d).code_size - tq.make_encoder("tcq2", d).code_size) * 128 / 2048  # heads, K + V
+    step = tq.make_encoder("tcq4", d).code_size - tq.make_encoder("tcq2", d).code_size
+    extra = 2 * 2 * step * 128 / 2048  # 2 heads, keys and values
     assert layer.bytes_per_token(2, d, d, 2048, 2) == pytest.approx(plain.bytes_per_token(2, d, d, 2048, 2) + extra)
     for bad in ({"recent_length": 4}, {"recent_key_encoder": "tq4", "recent_value_encoder": "tq4"},
                 {"recent_length": -1, "recent_key_encoder": "tq4", "recent_value_encoder": "tq4"}):
@@ -210,7 +214,8 @@ def test_tqcache_with_a_tier_attends_as_decoding_does_and_flattens():
     # the same tier from TQCache's arguments: the same attention, token for token
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     caches = [TQCache(model.config, policy=policy, encode_stride=1),
-              TQCache(model.config, "tcq2-unbiased", "tcq2", 1, 0, recent=(4, "tcq4-unbiased", "tcq4"), encode_stride=1)]
+              TQCache(model.config, "tcq2-unbiased", "tcq2", 1, 0, recent=(4, "tcq4-unbiased", "tcq4"),
+                      encode_stride=1)]
     with torch.no_grad():
         logits = [forward(model, tokens[:, :9], c).logits for c in caches]
         for t in range(9, 14):

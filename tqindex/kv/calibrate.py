@@ -257,8 +257,8 @@ def policy_for_budget(sensitivity: Sensitivity, budget_bits: float, *, allow_den
     key encoders with every measured value encoder behind the measured window, and full precision if
     ``allow_dense``; ``recent`` (length, key encoder, value encoder): every compressed option holds its newest
     ``length`` encoded tokens by those encoders (:meth:`KVPolicy.with_recent`; their bytes are counted, the
-    sensitivities are those measured without). The policy's ``calibration`` records the budget, the bits reached, the predicted KL and the
-    measurement. ValueError when the budget is below the cheapest choice."""
+    sensitivities are those measured without). The policy's ``calibration`` records the budget, the bits reached,
+    the predicted KL and the measurement. ValueError when the budget is below the cheapest choice."""
     check_int(context_tokens, "context_tokens", 1)
     check_int(sink_length, "sink_length", 0)
     check_int(encode_stride, "encode_stride", 1)

@@ -659,7 +659,6 @@ class _StoreSpec:
     recent: tuple[int, str, str] | None  # the recent tier's length and encoders' keys
 
 
-
 def _flatten_object(obj: Any, path: str, leaves: list[tuple[str, Tensor]]) -> tuple[type, tuple]:
     """(class, ((attribute, value or marker), ...)) of ``obj``; its tensors appended to ``leaves``."""
     items = []

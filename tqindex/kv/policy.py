@@ -18,9 +18,9 @@ dense_bytes / context_tokens`` (between steps the window holds at most the newes
 encode_stride - 1`` tokens and the cache's ``sink_length`` first tokens in full precision; ``dense_bytes``:
 bytes per element of the model's dtype, which windows and dense layers hold), plus the key offset of centered keys,
 ``heads · Dk · 4 / context_tokens``; a recent tier of N tokens (:class:`tqindex.kv.store.RecentTier`) adds
-``N · heads · (its code sizes - the layer's) / context_tokens``; a dense layer holds ``heads · (Dk + Dv) · dense_bytes``. Bits per
-element divide by ``heads · (Dk + Dv)`` elements. A layer's key scales (``LayerPolicy.key_scale``) belong to
-the model, shared by every sequence, and are not counted per token.
+``N · heads · (its code sizes - the layer's) / context_tokens``; a dense layer holds ``heads · (Dk + Dv) ·
+dense_bytes``. Bits per element divide by ``heads · (Dk + Dv)`` elements. A layer's key scales
+(``LayerPolicy.key_scale``) belong to the model, shared by every sequence, and are not counted per token.
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ class LayerPolicy:
             raise ValueError("a compressed layer needs key_encoder and value_encoder (or dense=True)")
         object.__setattr__(self, "key_encoder", _check_encoder_spec(self.key_encoder, "key_encoder"))
         object.__setattr__(self, "value_encoder", _check_encoder_spec(self.value_encoder, "value_encoder"))
-        if (self.recent_length > 0) != (None not in tier) or (not self.recent_length and tier != (None, None)):
+        if (tier != (None, None) if not self.recent_length else None in tier):
             raise ValueError("a recent tier needs recent_length >= 1, recent_key_encoder and recent_value_encoder "
                              f"together, got {self.recent_length!r}, {tier[0]!r}, {tier[1]!r}")
         for name, spec in zip(("recent_key_encoder", "recent_value_encoder"), tier):

@@ -401,11 +401,10 @@ class KVStore:
             counts = [len(_LAYOUTS[i]) for i in ids]
             n = sum(counts)
             if len(tensors) not in (n + 2, n + 3) or (len(tensors) == n + 3 and not center_keys):
-                raise ValueError(
-                    f"expected {n + 2} tensors (key planes, value planes{', recent key and value planes' * bool(recent)}"
-                    f", 2 windows){', or one more (the key offset) with center_keys' if center_keys else ''}, "
-                    f"got {len(tensors)}"
-                )
+                tier = ", recent key and value planes" if recent is not None else ""
+                offset = ", or one more (the key offset) with center_keys" if center_keys else ""
+                raise ValueError(f"expected {n + 2} tensors (key planes, value planes{tier}, 2 windows){offset}, "
+                                 f"got {len(tensors)}")
             buffers, at = [], 0
             for key, count in zip(ids, counts):
                 codes = _codes(key, tensors[at : at + count])
@@ -419,7 +418,7 @@ class KVStore:
         return store
 
     def empty_copy(self) -> "KVStore":
-        """A store of the same configuration (encoders, window, sinks, key offsets and scales, tier) holding nothing."""
+        """A store of the same configuration (encoders, window, sinks, centering, key scale, tier) holding nothing."""
         return KVStore(self.key_encoder, self.value_encoder, self.residual_length, self.center_keys, self.key_scale,
                        self.sink_length, self.encode_stride, self.recent)
 
