@@ -38,7 +38,7 @@ def test_attention_results_pages_are_their_json_rendered(monkeypatch, stem):
     assert page.count("Below: GPU time") == bool(gpu_timed) and all(page.count(f"| {key} |") == 2 for key in gpu_timed)
 
 
-@pytest.mark.parametrize("stem", ["gpu_search_h200", "gpu_search_h100"])
+@pytest.mark.parametrize("stem", ["gpu_search_h200", "gpu_search_h200_ahead", "gpu_search_h100"])
 def test_search_results_page_is_its_json_rendered(monkeypatch, stem):
     """The committed GPU search pages show exactly what their JSON holds; a row with its tiles' breakdown gets a line
     of it."""
