@@ -28,15 +28,17 @@ def stores(kenc: str, venc: str, b: int, hkv: int, d: int, past: int, window: in
 
 
 def check(kenc, venc, b, hq, hkv, d, past, window, nq, mask=None, softcap=None, causal=True, decode=None,
-          strided=True, one_pass=None, cuda=False):
+          strided=True, one_pass=None, cuda=False, q_scale=1.0):
     """The kernel against the reference; ``strided``: q [B, Hq, Q, D] a transposed view of [B, Q, Hq, D], as
-    attention layers pass it (else contiguous); ``cuda``: the compressed splits by the CUDA C++ kernel."""
+    attention layers pass it (else contiguous); ``cuda``: the compressed splits by the CUDA C++ kernel; queries
+    standard normal times ``q_scale``."""
     from tqindex.kernels.attention_triton import compressed_attention_triton
 
     store = stores(kenc, venc, b, hkv, d, past, window, seed=past + window + hq)
     keys, values = store.view()
     assert keys.codes.shape[2] == past and keys.window.shape[2] == window
-    q = torch.randn(b, nq, hq, d, generator=torch.Generator().manual_seed(1)).to(DEVICE).half().transpose(1, 2)
+    q = torch.randn(b, nq, hq, d, generator=torch.Generator().manual_seed(1)).mul(q_scale).to(DEVICE).half()
+    q = q.transpose(1, 2)
     q = q if strided else q.contiguous()
     scaling = d ** -0.5
     ref = compressed_attention_ref(q.float(), keys, values, mask, scaling, softcap=softcap, causal=causal)
@@ -154,6 +156,30 @@ def test_8bit_key_levels_are_the_codebook():
                                           ("fp4", "tq4", 128), ("tq4", "fp4", 96), ("tq4", "tq4", 256)])
 def test_encoders_and_dims(kenc, venc, d):
     check(kenc, venc, 1, 4, 2, d, 200, 3, 1, strided=False)
+
+
+@pytest.mark.parametrize("q_scale", [1e-5, 1e4])
+def test_queries_of_any_scale(q_scale):
+    """Tiny and huge queries (their rotation is held in float16, each row divided by a power of two from its
+    norm) attend as the reference does."""
+    check("tq4", "tq4", 1, 4, 2, 128, 200, 3, 1, q_scale=q_scale)
+
+
+def test_cuda_kernel_splits():
+    """The CUDA kernel's splits: at least SPLIT_TOKENS tokens each, unless that leaves multiprocessors idle, then
+    down to FILL_TOKENS (at most one block per multiprocessor); merged steps aim at fewer blocks."""
+    from tqindex.kernels.attention_cuda import FILL_TOKENS, SPLIT_TOKENS, splits
+
+    sms = 132
+    for tokens in (1, 100, 256, 4096, 16384, 65536, 131072):
+        for pairs in (1, 3, 8, 16, 24, 64, 256, 1024):
+            for merged in (True, False):
+                n = splits(tokens, pairs, sms, merged)
+                per = -(-tokens // n)
+                assert n >= 1 and (per >= min(tokens, FILL_TOKENS))
+                assert per >= min(tokens, SPLIT_TOKENS) or n * pairs <= sms + pairs
+    assert [splits(4096, 8, sms, True), splits(16384, 8, sms, True), splits(65536, 8, sms, True)] == [16, 17, 33]
+    assert [splits(4096, 64, sms, False), splits(16384, 64, sms, False), splits(65536, 64, sms, False)] == [4, 16, 17]
 
 
 def test_prefill_chunk_over_a_compressed_past_is_causal():

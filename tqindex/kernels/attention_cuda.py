@@ -34,6 +34,20 @@ MERGE_SLOTS = 16
 MAX_ROWS = 16
 """Query rows per KV head (query heads x positions) up to which a step runs the kernel: it takes blocks of 8 rows,
 each reading all codes, where the Triton kernel's blocks of 64 read them fewer times."""
+SPLIT_TOKENS = 1024
+"""Least compressed tokens per split (block) of the kernel, unless fewer splits would leave multiprocessors idle:
+then down to FILL_TOKENS, one block per multiprocessor. Each split costs the merge a partial to read and each block
+a fixed start and end, which shorter splits spent more on: on an H100 (tq4, 32 query / 8 KV heads, d128, GPU
+time) batch 8 x 4k took 45.1 us in splits of 1024 tokens against 52.4 in splits of 256, batch 1 x 16k 36.4 against
+40.9, 9 / 3 heads d64 batch 8 x 16k 35.5 against 42.0; batch 1 x 4k needs the 16 splits of 256 (26.8 us; 4 splits
+of 1024: 34.5)."""
+FILL_TOKENS = 256
+PROGRAMS_PER_SM = 8
+"""Blocks per multiprocessor a step's splits aim at where a separate merge kernel combines them (batch 8 x 64k:
+297 us in 17 splits, 352 in 5)."""
+MERGING_PROGRAMS_PER_SM = 2
+"""The same where the kernel merges (:func:`merges`): one block per (batch row x KV head) reads every split's
+partial, a serial tail (batch 1 x 64k: 65.7 us in 33 splits, 73.3 in 128)."""
 TQ4, FP4, TQ8 = 0, 1, 2
 """Code kinds (the kernel's ``Kind``): one 4-bit run of direction codes with float16 norms, FP4-UE8M0 codes of
 32-element groups, one 8-bit run of direction codes with float16 norms. Values are TQ4 or FP4."""
@@ -143,6 +157,15 @@ def merges(slots: int, rows: int) -> bool:
     blocks of ``rows`` are at most MERGE_SLOTS. There the merge is a serial tail that a launch of its own only
     lengthens; with more pairs the separate merge kernel measured faster on an H200 (batch 8 x 8 KV heads)."""
     return slots * -(-rows // ROWS) <= MERGE_SLOTS
+
+
+def splits(tokens: int, pairs: int, sms: int, merged: bool) -> int:
+    """Compressed splits of a decode step over ``tokens`` compressed tokens with ``pairs`` (batch rows x KV heads x
+    row blocks of ROWS) on ``sms`` multiprocessors, merged by the kernel itself or not (:data:`SPLIT_TOKENS`)."""
+    aim = -(-(MERGING_PROGRAMS_PER_SM if merged else PROGRAMS_PER_SM) * sms // pairs)
+    fill = -(-sms // pairs)
+    n = max(min(aim, -(-tokens // SPLIT_TOKENS)), min(fill, -(-tokens // FILL_TOKENS)))
+    return max(1, n)
 
 
 def decode_step(module: Any, qp: Tensor, qsc: Tensor, counters: Tensor | None, keys: Any, values: Any, out: Tensor,

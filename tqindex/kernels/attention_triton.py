@@ -1,12 +1,13 @@
 """Attention straight from direction codes on GPUs (Triton): decode steps and prefill chunks over a
 compressed past.
 
-Two or three launches per call. The query kernel rotates the queries into the key encoder's planar order in one
-product with a precomputed matrix (the rotation's columns, reordered) and scales each row by a power of
-two. The attention kernel is split-K (flash-decoding): a program takes one (batch row, KV head), a block
-of BLOCK_M query rows (the G query heads sharing that KV head times the Q query positions, head-major)
-and a range of key tokens, and keeps an online softmax (running max ``m``, normalizer ``l``, weighted
-value sum). Its range lies either in the compressed past (codes) or in the full-precision window (the
+Two or three launches per call. The query kernel rotates the queries into the key encoder's planar order by
+products with a precomputed matrix (the rotation's columns, reordered; a block of columns per program) and
+divides each row by a power of two at or above its largest possible coordinate (its norm times the matrix's
+largest column norm). The attention kernel is split-K (flash-decoding): a program takes one (batch row, KV
+head), a block of BLOCK_M query rows (the G query heads sharing that KV head times the Q query positions,
+head-major) and a range of key tokens, and keeps an online softmax (running max ``m``, normalizer ``l``,
+weighted value sum). Its range lies either in the compressed past (codes) or in the full-precision window (the
 newest tokens, causal):
 
 - compressed tokens: keys are decoded plane by plane in registers (``planes.py``, the scan's decoders)
@@ -49,7 +50,8 @@ from .scan_triton import (_groups, _level, _nibble_levels, _plane_levels, _scan_
 BLOCK_N = 64
 """Key tokens per tile."""
 PROGRAMS_PER_SM = 8
-"""Programs per multiprocessor a decode step's splits aim at (the split count follows from it)."""
+"""Programs per multiprocessor a decode step's splits aim at (the split count follows from it; the CUDA kernel's
+splits: :func:`.attention_cuda.splits`)."""
 MIN_SPLIT_TOKENS = 256
 """Least compressed tokens per program: fewer splits for the merge to combine where the past is short."""
 DECODE_WARPS = 4
@@ -60,6 +62,13 @@ WINDOW_SPLIT = 1024
 """Window tokens per program (prefill chunks are long windows)."""
 MERGE_ROWS = 16
 """Query rows per program of the query and merge kernels (the least M of a tensor-core product)."""
+MERGE_COLUMNS = 32
+"""Least output columns per program of the query and merge kernels. Where a call's row blocks (batch rows x KV
+heads x blocks of MERGE_ROWS) leave multiprocessors idle, each takes that many columns or more, a slice of the
+rotation's matrix (:func:`_columns`): the whole [128, 128] matrix took 255 registers and spilled, and at
+batch 1 and 8 (8 KV heads, d128, on an H100) the two kernels were most of a short step (a decode step over 4k
+tokens: 26.9 us, 23.9 with 32 columns, and the CUDA kernel's splits); with 256 row blocks (batch 32) more programs
+only added waves (4k: 101 us, 107 with 32 columns)."""
 MERGE_STAGES = tl.constexpr(4)
 """Splits whose partials the merge kernel has in flight (software pipelining of its loops over splits)."""
 ONE_PASS_ROWS = 128
@@ -209,35 +218,40 @@ def _query_rows(Q, b, kvh, r, rows, nq, q_sb, q_sh, q_sq):
 
 
 @triton.jit
-def _query_kernel(Q, MQ, QP, QSC, COUNTERS, hkv, rows, nq, q_sb, q_sh, q_sq, D: tl.constexpr, DP: tl.constexpr,
-                  PW: tl.constexpr, PWP: tl.constexpr, BLOCK_R: tl.constexpr, COUNTER_ROWS: tl.constexpr,
-                  PRECISION: tl.constexpr):
-    """Program (batch row x KV head ``bh``, row block): its query rows rotated into planar order,
-    ``q MQ`` (MQ float32 [DP, PWP]: the rotation's columns in planar order, zero padded), divided by a
-    power of two per row so that the largest coordinate is near 1; written f16 to QP [bh * rows + r, PW],
-    the divisors to QSC [bh * rows + r]. COUNTER_ROWS > 0: also zeroes the CUDA kernel's merge counters of its
-    rows (COUNTERS int32 [bh, row blocks of COUNTER_ROWS])."""
-    bh, rb = tl.program_id(0), tl.program_id(1)
+def _query_kernel(Q, MQ, BOUND, QP, QSC, COUNTERS, hkv, rows, nq, q_sb, q_sh, q_sq, D: tl.constexpr, DP: tl.constexpr,
+                  PW: tl.constexpr, PWP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                  COUNTER_ROWS: tl.constexpr, PRECISION: tl.constexpr):
+    """Program (batch row x KV head ``bh``, row block, block of BLOCK_C columns): its query rows rotated into
+    planar order, ``q MQ`` (MQ float32 [DP, PWP]: the rotation's columns in planar order, zero padded), those
+    columns; each row divided by the power of two at or above ``||q|| BOUND`` (BOUND float32 [1]: MQ's largest
+    column norm, so no coordinate exceeds 1, and every column block of a row takes the same divisor); written
+    f16 to QP [bh * rows + r, PW], the divisors to QSC [bh * rows + r]. COUNTER_ROWS > 0: the first column
+    block also zeroes the CUDA kernel's merge counters of its rows (COUNTERS int32 [bh, row blocks of
+    COUNTER_ROWS])."""
+    bh, rb, cb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = r < rows
-    c = tl.arange(0, PWP)
+    c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
     q_rows = _query_rows(Q, bh // hkv, bh % hkv, r, rows, nq, q_sb, q_sh, q_sq)
-    KQ: tl.constexpr = DP if DP <= 128 else 64  # rows of MQ per product (shared memory)
-    y = tl.zeros((BLOCK_R, PWP), tl.float32)
+    KQ: tl.constexpr = DP if DP <= 128 else 64  # rows of MQ per product (registers)
+    y = tl.zeros((BLOCK_R, BLOCK_C), tl.float32)
+    sq = tl.zeros((BLOCK_R,), tl.float32)
     for k0 in tl.static_range(0, DP, KQ):
         d = k0 + tl.arange(0, KQ)
         q = tl.load(q_rows[:, None] + d[None, :], mask=ok[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
         y = tl.dot(q, tl.load(MQ + d[:, None] * PWP + c[None, :]), y, input_precision=PRECISION)
-    amax = tl.max(tl.abs(y), axis=1)
-    scale = tl.where(amax > 0, tl.exp2(tl.ceil(tl.log2(tl.maximum(amax, 1e-30)))), 1.0)
+        sq += tl.sum(q * q, axis=1)
+    bound = tl.sqrt(sq) * tl.load(BOUND)
+    scale = tl.where(bound > 0, tl.exp2(tl.ceil(tl.log2(tl.maximum(bound, 1e-30)))), 1.0)
     i = bh.to(tl.int64) * rows + r
     tl.store(QP + i[:, None] * PW + c[None, :], (y / scale[:, None]).to(tl.float16),
              mask=ok[:, None] & (c[None, :] < PW))
-    tl.store(QSC + i, scale, mask=ok)
-    if COUNTER_ROWS > 0:
-        blocks = tl.cdiv(rows, COUNTER_ROWS)
-        j = rb * (BLOCK_R // COUNTER_ROWS) + tl.arange(0, BLOCK_R // COUNTER_ROWS)
-        tl.store(COUNTERS + bh * blocks + j, tl.zeros(j.shape, tl.int32), mask=j < blocks)
+    if cb == 0:
+        tl.store(QSC + i, scale, mask=ok)
+        if COUNTER_ROWS > 0:
+            blocks = tl.cdiv(rows, COUNTER_ROWS)
+            j = rb * (BLOCK_R // COUNTER_ROWS) + tl.arange(0, BLOCK_R // COUNTER_ROWS)
+            tl.store(COUNTERS + bh * blocks + j, tl.zeros(j.shape, tl.int32), mask=j < blocks)
 
 
 @triton.jit
@@ -318,32 +332,34 @@ def _halves(x):
 
 
 @triton.jit
-def _rows_times(x, MV, k0, DP: tl.constexpr, PRECISION: tl.constexpr):
-    """x [rows, n] times rows k0 .. k0 + n of MV float32 [DP, DP]."""
+def _rows_times(x, MV, k0, c0, NC: tl.constexpr, DP: tl.constexpr, PRECISION: tl.constexpr):
+    """x [rows, n] times rows k0 .. k0 + n, columns c0 .. c0 + NC of MV float32 [DP, DP]."""
     k = k0 + tl.arange(0, x.shape[1])
-    d = tl.arange(0, DP)
-    return tl.dot(x, tl.load(MV + k[:, None] * DP + d[None, :]), input_precision=PRECISION)
+    c = c0 + tl.arange(0, NC)
+    return tl.dot(x, tl.load(MV + k[:, None] * DP + c[None, :]), input_precision=PRECISION)
 
 
 @triton.jit
-def _rotated_back(acc, MV, DP: tl.constexpr, PRECISION: tl.constexpr):
-    """Sums acc [rows, DP] in the value encoder's rotated domain, rotated back: acc MV (MV float32 [DP, DP],
-    the rotation's inverse, zero padded; float32 accuracy). DP 256: four products of 64 rows of MV each (the
-    whole matrix does not fit in shared memory)."""
-    if DP <= 128:
-        return _rows_times(acc, MV, 0, DP, PRECISION)
+def _rotated_back(acc, MV, c0, NC: tl.constexpr, DP: tl.constexpr, PRECISION: tl.constexpr):
+    """Sums acc [rows, DP] in the value encoder's rotated domain, rotated back: columns c0 .. c0 + NC of acc MV
+    (MV float32 [DP, DP], the rotation's inverse, zero padded; float32 accuracy). DP 256 and all columns: four
+    products of 64 rows of MV each (the whole matrix does not fit in shared memory)."""
+    if DP <= 128 or NC < DP:
+        return _rows_times(acc, MV, 0, c0, NC, DP, PRECISION)
     else:
         h0, h1 = _halves(acc)
         q0, q1 = _halves(h0)
         q2, q3 = _halves(h1)
-        out = _rows_times(q0, MV, 0, DP, PRECISION) + _rows_times(q1, MV, DP // 4, DP, PRECISION)
-        return out + _rows_times(q2, MV, DP // 2, DP, PRECISION) + _rows_times(q3, MV, 3 * DP // 4, DP, PRECISION)
+        out = _rows_times(q0, MV, 0, c0, NC, DP, PRECISION) + _rows_times(q1, MV, DP // 4, c0, NC, DP, PRECISION)
+        return out + _rows_times(q2, MV, DP // 2, c0, NC, DP, PRECISION) + \
+            _rows_times(q3, MV, 3 * DP // 4, c0, NC, DP, PRECISION)
 
 
 @triton.jit
-def _store_result(acc, total, RES, bh, r, ok, hkv, hq, rows, nq, D: tl.constexpr, DP: tl.constexpr):
-    """acc / total (0 for rows that see no key) in RES's dtype to RES [B, Q, Hq, D] (rows ``r`` of ``bh``)."""
-    d = tl.arange(0, DP)
+def _store_result(acc, total, RES, bh, r, ok, hkv, hq, rows, nq, c0, D: tl.constexpr):
+    """acc / total (0 for rows that see no key) in RES's dtype to columns c0 .. c0 + acc.shape[1] of
+    RES [B, Q, Hq, D] (rows ``r`` of ``bh``)."""
+    d = c0 + tl.arange(0, acc.shape[1])
     res = tl.where(total[:, None] > 0, acc / tl.maximum(total, 1.1754943508222875e-38)[:, None], 0.0)
     b, h = bh // hkv, (bh % hkv) * (rows // nq) + r // nq
     at = ((b.to(tl.int64) * nq + r % nq) * hq + h) * D
@@ -393,7 +409,7 @@ def _attention_kernel(
             VT0, VT1, VT2, VT3, KR, VR, KFP4, VFP4, KG, KGP, VG, VGP, PWK, DP, MASK_KIND, SOFTCAP, DECODE,
             BLOCK_M, BLOCK_N)
     if ONE_PASS:
-        acc = _rotated_back(acc, MV, DP, PRECISION)
+        acc = _rotated_back(acc, MV, 0, DP, DP, PRECISION)
         t_hi = tw
         if CAUSAL:  # the window tokens after the block's last query position are masked for all its rows
             t_hi = tl.minimum(tw, tw - nq + tl.max(tl.where(rmask, r % nq, 0)) + 1)
@@ -401,7 +417,7 @@ def _attention_kernel(
             acc, m_i, l_i, 0, t_hi, Q, KW, VW, b, bh, hkv, bh64, r, rmask, mask_rows, rows, nq, tc, tw, q_sb, q_sh,
             q_sq, kw_stride, vw_stride, kw_tstride, vw_tstride, mask_st, scaling, softcap, D, DP, MASK_KIND,
             SOFTCAP, CAUSAL, BLOCK_N)
-        _store_result(acc, l_i, RES, bh, r, rmask, hkv, hq, rows, nq, D, DP)
+        _store_result(acc, l_i, RES, bh, r, rmask, hkv, hq, rows, nq, 0, D)
     else:
         if sp >= splits_c:
             per = tl.cdiv(tw, nsplit - splits_c)
@@ -417,22 +433,24 @@ def _attention_kernel(
 
 
 @triton.jit
-def _merge_split(acc, total, OUT, M, L, at, ok, shift, DP: tl.constexpr):
-    """Add one split's partial sums (rows at ``at``), weighted by exp(m - shift), to acc and total."""
+def _merge_split(acc, total, OUT, M, L, at, ok, shift, c0, DP: tl.constexpr):
+    """Add columns c0 .. c0 + acc.shape[1] of one split's partial sums (rows at ``at``), weighted by
+    exp(m - shift), to acc, and its normalizers to total."""
     m = tl.load(M + at, mask=ok, other=float("-inf"))
     w = tl.where(m > float("-inf"), tl.exp2((m - shift) * LOG2E), 0.0)
-    part = tl.load(OUT + at[:, None] * DP + tl.arange(0, DP)[None, :], mask=ok[:, None], other=0.0)
+    part = tl.load(OUT + at[:, None] * DP + c0 + tl.arange(0, acc.shape[1])[None, :], mask=ok[:, None], other=0.0)
     return acc + part * w[:, None], total + tl.load(L + at, mask=ok, other=0.0) * w
 
 
 @triton.jit(do_not_specialize=("splits", "splits_c"))
 def _merge_kernel(OUT, M, L, MV, RES, hkv, hq, rows, nq, splits, splits_c, D: tl.constexpr, DP: tl.constexpr,
-                  BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
-    """Program (batch row x KV head ``bh``, row block): the log-sum-exp merge of the splits' partial softmaxes
-    (OUT [bh, split, rows, DP], M / L [bh, split, rows]), the compressed splits' sum rotated back by
-    MV float32 [DP, DP] (the value rotation's inverse, zero padded), plus the window splits' sum, divided
-    by the normalizer (0 for rows that see no key); written in RES's dtype to RES [B, Q, Hq, D]."""
-    bh, rb = tl.program_id(0), tl.program_id(1)
+                  BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PRECISION: tl.constexpr):
+    """Program (batch row x KV head ``bh``, row block, block of BLOCK_C output columns): the log-sum-exp merge of
+    the splits' partial softmaxes (OUT [bh, split, rows, DP], M / L [bh, split, rows]): the compressed splits'
+    sum (all DP columns) rotated back by MV float32 [DP, DP] (the value rotation's inverse, zero padded) into
+    its columns, plus those columns of the window splits' sum, divided by the normalizer (0 for rows that see no
+    key); written in RES's dtype to RES [B, Q, Hq, D]."""
+    bh, rb, c0 = tl.program_id(0), tl.program_id(1), tl.program_id(2) * BLOCK_C
     r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = r < rows
     base = bh.to(tl.int64) * splits * rows + r
@@ -442,13 +460,13 @@ def _merge_kernel(OUT, M, L, MV, RES, hkv, hq, rows, nq, splits, splits_c, D: tl
     shift = tl.where(top > float("-inf"), top, 0.0)
     total = tl.zeros((BLOCK_R,), tl.float32)
     acc_c = tl.zeros((BLOCK_R, DP), tl.float32)
-    acc_w = tl.zeros((BLOCK_R, DP), tl.float32)
+    acc_w = tl.zeros((BLOCK_R, BLOCK_C), tl.float32)
     for sp in tl.range(splits_c, num_stages=MERGE_STAGES):  # the compressed splits: in the values' rotated domain
-        acc_c, total = _merge_split(acc_c, total, OUT, M, L, base + sp * rows, ok, shift, DP)
+        acc_c, total = _merge_split(acc_c, total, OUT, M, L, base + sp * rows, ok, shift, 0, DP)
     for sp in tl.range(splits_c, splits, num_stages=MERGE_STAGES):  # the window's
-        acc_w, total = _merge_split(acc_w, total, OUT, M, L, base + sp * rows, ok, shift, DP)
-    acc = _rotated_back(acc_c, MV, DP, PRECISION) + acc_w
-    _store_result(acc, total, RES, bh, r, ok, hkv, hq, rows, nq, D, DP)
+        acc_w, total = _merge_split(acc_w, total, OUT, M, L, base + sp * rows, ok, shift, c0, DP)
+    acc = _rotated_back(acc_c, MV, c0, BLOCK_C, DP, PRECISION) + acc_w
+    _store_result(acc, total, RES, bh, r, ok, hkv, hq, rows, nq, c0, D)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -473,6 +491,14 @@ def _tables(encoder: Any, device: torch.device, side: str) -> tuple[tuple, Tenso
     matrix = torch.zeros(next_power_of_2(dim), next_power_of_2(image.shape[1]), device=device)
     matrix[:dim, : image.shape[1]] = image
     return layouts[0], mags, prmt[:4], matrix
+
+
+def _columns(width: int, blocks: int, device: torch.device) -> int:
+    """Output columns per program of the query or merge kernel over ``width`` columns (a power of two) for
+    ``blocks`` row blocks (MERGE_COLUMNS notes): the width split into as many parts as fill the
+    multiprocessors once, down to MERGE_COLUMNS."""
+    parts = next_power_of_2(cdiv(multiprocessors(device), blocks))
+    return max(min(MERGE_COLUMNS, width), width // parts)
 
 
 def mask_layout(mask: Tensor | None, b: int, nq: int, total: int) -> tuple[Tensor | None, tuple[int, int, int], int]:
@@ -533,8 +559,12 @@ def compressed_attention_triton(q: Tensor, keys: Any, values: Any, mask: Tensor 
     fused = module is not None and attention_cuda.merges(bsz * hkv, rows)  # the CUDA kernel also merges
     splits_c, per = 0, BLOCK_N
     if tc and not one_pass:
-        most = attention_cuda.MAX_SPLITS - splits_w if fused else want
-        per = cdiv(cdiv(tc, min(want, most, cdiv(tc, MIN_SPLIT_TOKENS))), BLOCK_N) * BLOCK_N
+        if module:
+            n = attention_cuda.splits(tc, bsz * hkv * cdiv(rows, attention_cuda.ROWS), multiprocessors(device), fused)
+        else:
+            n = min(want, cdiv(tc, MIN_SPLIT_TOKENS))
+        most = attention_cuda.MAX_SPLITS - splits_w if fused else n
+        per = cdiv(cdiv(tc, min(n, most)), BLOCK_N) * BLOCK_N
         splits_c = cdiv(tc, per)
     splits = 1 if one_pass else splits_c + splits_w
     qp = torch.empty(bsz * hkv * rows, pw, device=device, dtype=torch.float16)
@@ -553,10 +583,12 @@ def compressed_attention_triton(q: Tensor, keys: Any, values: Any, mask: Tensor 
     first = splits_c if module else 0
     counters = torch.empty(bsz * hkv * cdiv(rows, attention_cuda.ROWS), device=device, dtype=torch.int32) \
         if fused else None
-    _query_kernel[(bsz * hkv, cdiv(rows, MERGE_ROWS))](
-        q, mq, qp, qsc, qsc if counters is None else counters, hkv, rows, nq, q.stride(0), q.stride(1), q.stride(2),
-        D=dim, DP=dp, PW=pw, PWP=mq.shape[1], BLOCK_R=MERGE_ROWS, COUNTER_ROWS=attention_cuda.ROWS if fused else 0,
-        PRECISION=precision, num_warps=4)
+    qcols, mcols = (_columns(width, bsz * hkv * cdiv(rows, MERGE_ROWS), device) for width in (mq.shape[1], dp))
+    bound = keys.encoder.derived(device, "triton-attention-query-bound", lambda: mq.norm(dim=0).amax().reshape(1))
+    _query_kernel[(bsz * hkv, cdiv(rows, MERGE_ROWS), mq.shape[1] // qcols)](
+        q, mq, bound, qp, qsc, qsc if counters is None else counters, hkv, rows, nq, q.stride(0), q.stride(1),
+        q.stride(2), D=dim, DP=dp, PW=pw, PWP=mq.shape[1], BLOCK_R=MERGE_ROWS, BLOCK_C=qcols,
+        COUNTER_ROWS=attention_cuda.ROWS if fused else 0, PRECISION=precision, num_warps=4)
     if splits > first:
         _attention_kernel[(bsz * hkv, row_blocks, splits - first)](
             qp, qsc, q, kq, kn, vq, vn, kw, vw, qsc if mask_t is None else mask_t, out, m, l_, mv, res,
@@ -573,7 +605,7 @@ def compressed_attention_triton(q: Tensor, keys: Any, values: Any, mask: Tensor 
         attention_cuda.decode_step(module, qp, qsc, counters, keys, values, out, m, l_, lengths, rows, splits_c, per,
                                    scaling, kr, kmag, kt, vt, mv, res)
     if not one_pass and not fused:
-        _merge_kernel[(bsz * hkv, cdiv(rows, MERGE_ROWS))](
+        _merge_kernel[(bsz * hkv, cdiv(rows, MERGE_ROWS), dp // mcols)](
             out, m, l_, mv, res, hkv, hq, rows, nq, splits, splits_c, D=dim, DP=dp, BLOCK_R=MERGE_ROWS,
-            PRECISION=precision, num_warps=4)
+            BLOCK_C=mcols, PRECISION=precision, num_warps=4)
     return res.transpose(1, 2)
