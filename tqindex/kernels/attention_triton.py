@@ -493,6 +493,13 @@ def _tables(encoder: Any, device: torch.device, side: str) -> tuple[tuple, Tenso
     return layouts[0], mags, prmt[:4], matrix
 
 
+def _key_tables(encoder: Any, device: torch.device) -> tuple[tuple, Tensor, list[int], Tensor, Tensor]:
+    """:func:`_tables` of the keys' encoder, and its query map's largest column norm (float32 [1]: the query
+    kernel's bound on a rotated coordinate per unit of query norm)."""
+    layout, mags, prmt, matrix = _tables(encoder, device, "keys")
+    return layout, mags, prmt, matrix, matrix.norm(dim=0).amax().reshape(1)
+
+
 def _columns(width: int, blocks: int, device: torch.device) -> int:
     """Output columns per program of the query or merge kernel over ``width`` columns (a power of two) for
     ``blocks`` row blocks (MERGE_COLUMNS notes): the width split into as many parts as fill the
@@ -536,8 +543,8 @@ def compressed_attention_triton(q: Tensor, keys: Any, values: Any, mask: Tensor 
     bsz, hq, nq, dim = q.shape
     hkv, tc, tw = keys.shape[1], keys.codes.shape[2], keys.window.shape[2]
     rows, device = (hq // hkv) * nq, q.device
-    kr, kmag, kt, mq = keys.encoder.derived(device, "triton-attention-keys",
-                                            lambda: _tables(keys.encoder, device, "keys"))
+    kr, kmag, kt, mq, bound = keys.encoder.derived(device, "triton-attention-keys",
+                                                   lambda: _key_tables(keys.encoder, device))
     vr, vmag, vt, mv = values.encoder.derived(device, "triton-attention-values",
                                               lambda: _tables(values.encoder, device, "values"))
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -584,7 +591,6 @@ def compressed_attention_triton(q: Tensor, keys: Any, values: Any, mask: Tensor 
     counters = torch.empty(bsz * hkv * cdiv(rows, attention_cuda.ROWS), device=device, dtype=torch.int32) \
         if fused else None
     qcols, mcols = (_columns(width, bsz * hkv * cdiv(rows, MERGE_ROWS), device) for width in (mq.shape[1], dp))
-    bound = keys.encoder.derived(device, "triton-attention-query-bound", lambda: mq.norm(dim=0).amax().reshape(1))
     _query_kernel[(bsz * hkv, cdiv(rows, MERGE_ROWS), mq.shape[1] // qcols)](
         q, mq, bound, qp, qsc, qsc if counters is None else counters, hkv, rows, nq, q.stride(0), q.stride(1),
         q.stride(2), D=dim, DP=dp, PW=pw, PWP=mq.shape[1], BLOCK_R=MERGE_ROWS, BLOCK_C=qcols,
