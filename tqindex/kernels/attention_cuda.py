@@ -164,8 +164,7 @@ def splits(tokens: int, pairs: int, sms: int, merged: bool) -> int:
     row blocks of ROWS) on ``sms`` multiprocessors, merged by the kernel itself or not (:data:`SPLIT_TOKENS`)."""
     aim = -(-(MERGING_PROGRAMS_PER_SM if merged else PROGRAMS_PER_SM) * sms // pairs)
     fill = -(-sms // pairs)
-    n = max(min(aim, -(-tokens // SPLIT_TOKENS)), min(fill, -(-tokens // FILL_TOKENS)))
-    return max(1, n)
+    return max(min(aim, -(-tokens // SPLIT_TOKENS)), min(fill, -(-tokens // FILL_TOKENS)))
 
 
 def decode_step(module: Any, qp: Tensor, qsc: Tensor, counters: Tensor | None, keys: Any, values: Any, out: Tensor,
