@@ -342,9 +342,9 @@ def _rows_times(x, MV, k0, c0, NC: tl.constexpr, DP: tl.constexpr, PRECISION: tl
 @triton.jit
 def _rotated_back(acc, MV, c0, NC: tl.constexpr, DP: tl.constexpr, PRECISION: tl.constexpr):
     """Sums acc [rows, DP] in the value encoder's rotated domain, rotated back: columns c0 .. c0 + NC of acc MV
-    (MV float32 [DP, DP], the rotation's inverse, zero padded; float32 accuracy). DP 256 and all columns: four
-    products of 64 rows of MV each (the whole matrix does not fit in shared memory)."""
-    if DP <= 128 or NC < DP:
+    (MV float32 [DP, DP], the rotation's inverse, zero padded; float32 accuracy). DP 256: four products of 64
+    rows of MV each (the whole matrix does not fit in shared memory)."""
+    if DP <= 128:
         return _rows_times(acc, MV, 0, c0, NC, DP, PRECISION)
     else:
         h0, h1 = _halves(acc)
