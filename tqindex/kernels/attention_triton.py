@@ -500,11 +500,11 @@ def _key_tables(encoder: Any, device: torch.device) -> tuple[tuple, Tensor, list
     return layout, mags, prmt, matrix, matrix.norm(dim=0).amax().reshape(1)
 
 
-def _columns(width: int, blocks: int, device: torch.device) -> int:
+def _columns(width: int, blocks: int, sms: int) -> int:
     """Output columns per program of the query or merge kernel over ``width`` columns (a power of two) for
-    ``blocks`` row blocks (MERGE_COLUMNS notes): the width split into as many parts as fill the
-    multiprocessors once, down to MERGE_COLUMNS."""
-    parts = next_power_of_2(cdiv(multiprocessors(device), blocks))
+    ``blocks`` row blocks on ``sms`` multiprocessors (MERGE_COLUMNS notes): the width split into as many parts as
+    fill the multiprocessors once, down to MERGE_COLUMNS."""
+    parts = next_power_of_2(cdiv(sms, blocks))
     return max(min(MERGE_COLUMNS, width), width // parts)
 
 
@@ -553,7 +553,8 @@ def compressed_attention_triton(q: Tensor, keys: Any, values: Any, mask: Tensor 
     block_m = 16 if rows <= 16 else 64
     row_blocks = cdiv(rows, block_m)
     precision = "tf32x3" if q.is_cuda else "ieee"  # float32 accuracy on tensor cores (the interpreter: ieee)
-    want = cdiv(PROGRAMS_PER_SM * multiprocessors(device), bsz * hkv * row_blocks)
+    sms = multiprocessors(device)
+    want = cdiv(PROGRAMS_PER_SM * sms, bsz * hkv * row_blocks)
     one_pass = want == 1 if one_pass is None else one_pass
     if one_pass and rows >= ONE_PASS_ROWS:
         block_m = ONE_PASS_ROWS
@@ -567,7 +568,7 @@ def compressed_attention_triton(q: Tensor, keys: Any, values: Any, mask: Tensor 
     splits_c, per = 0, BLOCK_N
     if tc and not one_pass:
         if module:
-            n = attention_cuda.splits(tc, bsz * hkv * cdiv(rows, attention_cuda.ROWS), multiprocessors(device), fused)
+            n = attention_cuda.splits(tc, bsz * hkv * cdiv(rows, attention_cuda.ROWS), sms, fused)
         else:
             n = min(want, cdiv(tc, MIN_SPLIT_TOKENS))
         most = attention_cuda.MAX_SPLITS - splits_w if fused else n
@@ -590,7 +591,7 @@ def compressed_attention_triton(q: Tensor, keys: Any, values: Any, mask: Tensor 
     first = splits_c if module else 0
     counters = torch.empty(bsz * hkv * cdiv(rows, attention_cuda.ROWS), device=device, dtype=torch.int32) \
         if fused else None
-    qcols, mcols = (_columns(width, bsz * hkv * cdiv(rows, MERGE_ROWS), device) for width in (mq.shape[1], dp))
+    qcols, mcols = (_columns(width, bsz * hkv * cdiv(rows, MERGE_ROWS), sms) for width in (mq.shape[1], dp))
     _query_kernel[(bsz * hkv, cdiv(rows, MERGE_ROWS), mq.shape[1] // qcols)](
         q, mq, bound, qp, qsc, qsc if counters is None else counters, hkv, rows, nq, q.stride(0), q.stride(1),
         q.stride(2), D=dim, DP=dp, PW=pw, PWP=mq.shape[1], BLOCK_R=MERGE_ROWS, BLOCK_C=qcols,
