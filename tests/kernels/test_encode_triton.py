@@ -5,6 +5,7 @@ import torch
 
 import tqindex as tq
 from devices import DEVICE, needs_triton
+from tqindex.kernels import encode_triton
 from tqindex.directions import encode_directions, encode_directions_reference, search_alphas
 from tqindex.packing import packed_size, unpack
 
@@ -77,6 +78,42 @@ def test_programs_that_walk_several_row_blocks(name, dim, monkeypatch):
     monkeypatch.setattr(encode_triton, "_programs", lambda blocks, device: min(blocks, 2))
     x = torch.randn(161, dim, generator=torch.Generator().manual_seed(dim))
     check(tq.make_encoder(name, dim), x.to(DEVICE))
+
+
+def test_level_steps_reach_each_level():
+    """The register kernel raises a magnitude level by level, ``mag + step``: each sum rounds to the next level
+    exactly, or an ulp from it where no float32 step reaches it (a rounding tie), for every tq1-tq4 codebook of
+    dims 2-128."""
+    from tqindex.kernels.planes import run_layouts
+
+    inexact = total = 0
+    for bits in (1, 2, 3, 4):
+        for dim in range(2, 129):
+            _, mags, _ = run_layouts(tq.make_encoder(f"tq{bits}", dim).code_runs())
+            got = mags + encode_triton.level_steps(mags)
+            target = torch.cat([mags[1:], mags[-1:]])
+            assert ((got == target) | (got == torch.nextafter(target, got))).all(), (bits, dim)
+            inexact, total = inexact + int((got != target).sum()), total + len(mags)
+    assert inexact < total / 50
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the FMA-pipe comparisons are PTX (CUDA only)")
+def test_comparisons_on_either_pipe_give_the_same_codes(monkeypatch):
+    """The register kernel compares |u| with the first SAT_STEPS thresholds on the FMA pipe (a saturated fused
+    multiply-add), with the others on the ALU pipe: all on either give the reference's codes, and the same codes
+    but where summation order decides between pre-scales of nearly equal cosine."""
+    for name, dim in (("tq4", 128), ("tq3", 50), ("tq2", 64)):
+        enc = tq.make_encoder(name, dim)
+        rotation, runs = enc._rotation(DEVICE), enc.code_runs(DEVICE)
+        alphas = search_alphas(enc.code_search, DEVICE)
+        x = torch.randn(4097, dim, generator=torch.Generator().manual_seed(dim)).to(DEVICE)
+        outs = []
+        for sat in (0, 7):
+            monkeypatch.setattr(encode_triton, "SAT_STEPS", sat)
+            outs.append(encode_directions(x, rotation, runs, alphas, "triton"))
+            check(enc, x)
+        assert (outs[0][0] == outs[1][0]).all(1).float().mean() > 0.995, name
+        assert torch.equal(outs[0][1], outs[1][1]), name  # the norms
 
 
 def test_trained_runs_of_several_widths():

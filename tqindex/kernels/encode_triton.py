@@ -8,9 +8,9 @@ Two kernels, each one pass over the input; both return what
 ROWS_MAX_DIM: TurboQuantMSE's usual codes) holds a block of rows in registers in natural coordinate order:
 ``y = x Rᵀ`` at fp32 accuracy (a Hadamard rotation: the rows times the signs, split into two float16 pieces, each
 multiplied by the ±1 matrix exactly in one MMA; a dense one: three tf32 MMAs on GPUs), ``u = |y| / ||x||``, then
-for every pre-scale alpha the level of each coordinate by comparisons of ``|u|`` with the codebook's positive
-boundaries divided by alpha (ascending: the last boundary exceeded sets the level) and the cosine
-``<u, c> / ||c||`` of the row; the best alpha's codes (``2^(b-1) + m`` for positive coordinates,
+for every pre-scale alpha the level of each coordinate, the lowest magnitude raised by one step (:func:`level_steps`)
+per positive boundary divided by alpha that ``|u|`` exceeds (0.0 or 1.0 times the step, added: no selects), and the
+cosine ``<u, c> / ||c||`` of the row; the best alpha's codes (``2^(b-1) + m`` for positive coordinates,
 ``2^(b-1) - 1 - m`` for the others) are summed by shifts into one word per group of ``planes``
 consecutive coordinates and stored byte by byte.
 
@@ -33,7 +33,7 @@ rotated rows directly).
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 import triton
@@ -61,6 +61,11 @@ ROWS_TILES = {128: (16, 2)}
 16 rows and 2 warps 16.1 ms, 16 / 4 and 32 / 4 17.5-17.7, 32 / 8 19.2, 64 / 8 19.0. Other dims: ROWS_ELEMENTS / dim
 rows (at least 16) and 4 warps."""
 ROWS_ELEMENTS = 4096
+SAT_STEPS = 3
+"""Thresholds of the register kernel's level search compared on the FMA pipe (``_above``), the others on the ALU
+pipe, so both pipes work. On an H100 with 0, 1, 2, 3, 7 of them: 10M x 128 tq4 12.30, 11.58, 11.84, 11.68,
+11.91 ms, 4M x 64 tq4 2.29, 2.24, 2.16, 2.06, 2.10, 2M x 100 tq3 11.12, 10.91, 10.83, 10.68, 10.82 (the same run:
+with a select per threshold on the ALU pipe, the kernel before, 15.63, 2.79, 11.39)."""
 
 
 @triton.jit
@@ -70,6 +75,22 @@ def _row_scales(amax):
     back."""
     e = tl.minimum(tl.maximum(127 - ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF), -126), 126)
     return ((e + 127) << 23).to(tl.float32, bitcast=True), ((127 - e) << 23).to(tl.float32, bitcast=True)
+
+
+_SATURATED = tl.constexpr(-(2.0**126))
+
+
+@triton.jit
+def _above(u, t, SAT: tl.constexpr):
+    """1.0 where u > t, else 0.0 (float32 u >= 0, threshold 0 < t < 2). A comparison to float runs on the ALU pipe,
+    at half the rate of the FMA pipe; SAT (CUDA only) computes it there: ``fma.rn.sat(u, 2^126, -t 2^126)``, exact
+    for t >= 2^-90, as ``t 2^126`` is exact and the fused ``(u - t) 2^126`` is at most 0 unless u > t, then at
+    least ``ulp(t) 2^126 > 1``, saturated to 1."""
+    if SAT:
+        return tl.inline_asm_elementwise("fma.rn.sat.f32 $0, $1, 0f7E800000, $2;", "=f,f,f",
+                                         [u, tl.zeros_like(u) + t * _SATURATED], tl.float32, True, 1)
+    else:
+        return (u > t).to(tl.float32)
 
 
 @triton.jit
@@ -229,9 +250,9 @@ def _encode_kernel(X, XN, RP, SCRATCH, n, d, pw, MAG, BND, ALPHAS, OUT, row_byte
 
 
 @triton.jit
-def _encode_rows_kernel(X, XN, RT, SIGNS, THR, MAG, ALPHAS, OUT, NORM, DOT, SQ, n, d, row_bytes, rsqrt_d,
+def _encode_rows_kernel(X, XN, RT, SIGNS, THR, MAG, STEPS, ALPHAS, OUT, NORM, DOT, SQ, n, d, row_bytes, rsqrt_d,
                         R: tl.constexpr, A: tl.constexpr, ROTATE: tl.constexpr, DP: tl.constexpr,
-                        BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, AHEAD: tl.constexpr):
+                        BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, AHEAD: tl.constexpr, SAT: tl.constexpr):
     """Persistent program over row blocks of one coded run covering every coordinate, in natural order,
     each block held in registers: X [n, d] (ROTATE 0: the rotated rows; 1: rotated here by a dense rotation,
     ``y = x RT`` with RT float32 [DP, DP] the rotation's transpose, zero padded; 2: by a Hadamard rotation,
@@ -240,9 +261,10 @@ def _encode_rows_kernel(X, XN, RT, SIGNS, THR, MAG, ALPHAS, OUT, NORM, DOT, SQ, 
     (norms); with AHEAD each block's rows XN are loaded while the program works on the block before (Hadamard
     rotations: with the other ones the extra registers spill, compiled for sm_90). The operand RT is loaded once per
     program. THR [A, H]: the positive boundaries divided by each
-    pre-scale (the direction search compares |u| with them; a runtime loop over the pre-scales keeps one
-    pre-scale's temporaries live, not A); the codes of a group (``planes`` consecutive coordinates) are summed into
-    one word by shifts."""
+    pre-scale (the direction search compares |u| with them, the first SAT of them on the FMA pipe, :func:`_above`;
+    a runtime loop over the pre-scales keeps one pre-scale's temporaries live, not A), STEPS: :func:`level_steps` of
+    the magnitudes MAG; the codes of a group (``planes`` consecutive coordinates) are summed into one word by
+    shifts."""
     BITS: tl.constexpr = R[0]
     GB: tl.constexpr = R[1]
     P: tl.constexpr = R[2]
@@ -288,8 +310,8 @@ def _encode_rows_kernel(X, XN, RT, SIGNS, THR, MAG, ALPHAS, OUT, NORM, DOT, SQ, 
         best_sq = tl.zeros((BLOCK_N,), tl.float32)
         for a in range(A):
             mag = tl.zeros((BLOCK_N, DP), tl.float32) + tl.load(MAG)
-            for j in tl.static_range(H - 1):  # thresholds ascend: the last one |u| exceeds sets the level
-                mag = tl.where(u > tl.load(THR + a * H + j), tl.load(MAG + j + 1), mag)
+            for j in tl.static_range(H - 1):  # thresholds ascend: each one |u| exceeds raises it a level
+                mag = _above(u, tl.load(THR + a * H + j), j < SAT) * tl.load(STEPS + j) + mag
             if W < DP:
                 mag = tl.where(valid_col[None, :], mag, 0.0)
             dot = tl.sum(u * mag, axis=1)
@@ -300,9 +322,10 @@ def _encode_rows_kernel(X, XN, RT, SIGNS, THR, MAG, ALPHAS, OUT, NORM, DOT, SQ, 
             best_a = tl.where(better, a, best_a)
             best_dot = tl.where(better, dot, best_dot)
             best_sq = tl.where(better, sq, best_sq)
-        m = tl.zeros((BLOCK_N, DP), tl.int32)
+        levels = tl.zeros((BLOCK_N, DP), tl.float32)
         for j in tl.static_range(H - 1):
-            m += (u > tl.load(THR + best_a * H + j)[:, None]).to(tl.int32)
+            levels += _above(u, tl.load(THR + best_a * H + j)[:, None], j < SAT)
+        m = levels.to(tl.int32)
         code = tl.where(valid_col[None, :], tl.where(y > 0, H + m, H - 1 - m), 0)
         word = tl.sum(tl.reshape(code, (BLOCK_N, DP // P, P)) << shift, axis=2)  # [BLOCK_N, groups]
         base = OUT + rows[:, None].to(tl.int64) * row_bytes + g[None, :] * GB
@@ -336,15 +359,37 @@ def _natural_rotation(rotation: Any, dp: int) -> tuple[int, Tensor, Tensor | Non
     return 1, rt, None
 
 
+class RunTables(NamedTuple):
+    """What the encode kernels read of the coded runs, on one device (:func:`_run_tables`)."""
+
+    layouts: list[RunLayout]
+    mags: Tensor  # the runs' magnitudes float32 [total], run r's at its mag_offset
+    steps: Tensor  # float32 [total]: mags[i] + steps[i] rounds to mags[i + 1] (level_steps)
+    bounds: Tensor  # positive boundaries float32 [total]
+    alphas: Tensor  # pre-scales float32 [A]
+    thresholds: Tensor  # the boundaries divided by each pre-scale, float32 [A, total]
+
+
 @lru_cache(maxsize=32)
-def _run_tables(runs: tuple[Any, ...], alphas: Tensor) -> tuple[list[RunLayout], Tensor, Tensor, Tensor, Tensor]:
-    """The runs' layouts, magnitudes and boundaries, the pre-scales, and the boundaries divided by each
-    pre-scale [A, boundaries], on the device of the runs' codebooks, cached per codebook and pre-scale
-    tensors (the encoder's cached device copies)."""
+def _run_tables(runs: tuple[Any, ...], alphas: Tensor) -> RunTables:
+    """The runs' tables on the device of ``alphas``, cached per codebook and pre-scale tensors (the encoder's
+    cached device copies)."""
     layouts, mags, bounds = run_layouts(runs)
     device, alphas = alphas.device, alphas.float().contiguous()
     bounds = bounds.to(device)
-    return layouts, mags.to(device), bounds, alphas, (bounds[None, :] / alphas[:, None]).contiguous()
+    return RunTables(layouts, mags.to(device), level_steps(mags).to(device), bounds, alphas,
+                     (bounds[None, :] / alphas[:, None]).contiguous())
+
+
+def level_steps(mags: Tensor) -> Tensor:
+    """float32 steps s of ascending float32 magnitudes [n] (any device; s[n - 1] = 0) such that ``mags[i] + s[i]``
+    rounds to ``mags[i + 1]``: exactly, or where a rounding tie leaves no float32 step that reaches it (50 of the
+    3,683 magnitudes of tq1-tq4 at dims 2-128), to a neighbour an ulp away. The register kernel raises a magnitude
+    level by level by these steps."""
+    target = torch.cat([mags[1:], mags[-1:]])
+    s = target - mags
+    got = mags + s  # a rounded difference can miss by an ulp: one nudge toward the target
+    return torch.where(got < target, torch.nextafter(s, target + 1), torch.where(got > target, torch.nextafter(s, -target - 1), s))
 
 
 @lru_cache(maxsize=32)
@@ -397,7 +442,8 @@ def encode_directions_triton(x: Tensor, rotation: Any, runs: Sequence[Any], alph
     -> (qdata uint8 [N, bytes], ||y|| [N], <u, c> [N], ||c||² [N])."""
     if len(alphas) > MAX_ALPHAS:
         raise ValueError(f"the GPU encoder tries at most {MAX_ALPHAS} pre-scales, got {len(alphas)}")
-    layouts, mags, bounds, alphas, thresholds = _run_tables(tuple(runs), alphas.to(x.device))
+    tables = _run_tables(tuple(runs), alphas.to(x.device))
+    layouts, mags, bounds, alphas = tables.layouts, tables.mags, tables.bounds, tables.alphas
     device, (n, d) = x.device, x.shape
     x = x.float().contiguous()
     rotate = rotation.matmul_matrix is not None
@@ -412,9 +458,10 @@ def encode_directions_triton(x: Tensor, rotation: Any, runs: Sequence[Any], alph
         kind, rt, signs = _natural_rotation(rotation, dp) if rotate else (0, x, None)
         src = x if rotate else rotation.apply(x).contiguous()
         _encode_rows_kernel[(_programs(cdiv(n, block), device),)](
-            src, x, rt, rt if signs is None else signs, thresholds, mags, alphas, qdata, norm, dot, sq, n, d,
-            row_bytes, d ** -0.5, R=tuple(layouts[0]), A=len(alphas), ROTATE=kind, DP=dp, BLOCK_N=block,
-            PRECISION=precision, AHEAD=kind == 2, num_warps=warps)
+            src, x, rt, rt if signs is None else signs, tables.thresholds, mags, tables.steps, alphas, qdata, norm, dot,
+            sq, n, d, row_bytes, d ** -0.5, R=tuple(layouts[0]), A=len(alphas), ROTATE=kind, DP=dp, BLOCK_N=block,
+            PRECISION=precision, AHEAD=kind == 2, SAT=SAT_STEPS if device.type == "cuda" else 0,
+            num_warps=warps)
     elif n:
         pw = plane_width(layouts)
         programs = _programs(cdiv(n, BLOCK_N), device)
