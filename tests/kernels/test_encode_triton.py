@@ -48,7 +48,7 @@ def check(enc: tq.Encoder, x: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("name, dim, n", [
     ("tq4", 64, 129), ("tq4", 50, 127), ("tq2", 130, 1), ("tq1", 60, 40), ("tq3", 50, 129), ("tq3", 45, 33),
-    ("tq8", 64, 20), ("tq4", 384, 33), ("tq2", 1536, 9), ("tq4", 2048, 5), ("tq4-norm", 128, 65),
+    ("tq8", 64, 20), ("tq4", 384, 33), ("tq2", 1536, 9), ("tq4", 2048, 5), ("tq4-norm", 128, 65), ("tq2", 96, 65),
 ])
 def test_codes_equal_the_reference(name, dim, n):
     x = torch.randn(n, dim, generator=torch.Generator().manual_seed(dim + n))
@@ -64,7 +64,8 @@ def test_both_kernels_are_exercised_by_these_tests():
     def rows_kernel(name, dim):
         return in_registers(run_layouts(tq.make_encoder(name, dim).code_runs())[0], dim)
 
-    assert all(rows_kernel(*c) for c in [("tq4", 64), ("tq4", 50), ("tq1", 60), ("tq3", 45), ("tq4-norm", 128)])
+    assert all(rows_kernel(*c) for c in [("tq4", 64), ("tq4", 50), ("tq1", 60), ("tq3", 45), ("tq4-norm", 128),
+                                         ("tq2", 96)])
     assert not any(rows_kernel(*c) for c in [("tq2", 130), ("tq8", 64), ("tq4", 384), ("tq2", 1536)])
 
 

@@ -6,8 +6,9 @@ Two kernels, each one pass over the input; both return what
 
 :func:`_encode_rows_kernel` (one coded run covering every coordinate, at most 4 bits, dims up to
 ROWS_MAX_DIM: TurboQuantMSE's usual codes) holds a block of rows in registers in natural coordinate order:
-``y = x Rᵀ`` at fp32 accuracy (a Hadamard rotation: the rows times the signs, split into two float16 pieces, each
-multiplied by the ±1 matrix exactly in one MMA; a dense one: three tf32 MMAs on GPUs), ``u = |y| / ||x||``, then
+``y = x Rᵀ`` at about fp32 accuracy (each row split into two float16 pieces; a Hadamard rotation: each piece times
+the signs multiplied by the ±1 matrix exactly in one MMA; a dense one: three float16 MMAs of the pieces with the
+two float16 pieces of Rᵀ, as :func:`split_rotate`), ``u = |y| / ||x||``, then
 for every pre-scale alpha the level of each coordinate, the lowest magnitude raised by one step (:func:`level_steps`)
 per positive boundary divided by alpha that ``|u|`` exceeds (0.0 or 1.0 times the step, added: no selects), and the
 cosine ``<u, c> / ||c||`` of the row; the best alpha's codes (``2^(b-1) + m`` for positive coordinates,
@@ -56,10 +57,13 @@ NUM_WARPS = 8
 ROWS_MAX_DIM = 128
 """Dims (padded to a power of two) up to which one-run codes are encoded with rows held in registers (at 256
 the rotation operand no longer fits in shared memory)."""
-ROWS_TILES = {128: (16, 2)}
-"""Rows per block and warps of the register kernel by padded dim, measured on an H200 (10M x 128 tq4, 7 pre-scales):
-16 rows and 2 warps 16.1 ms, 16 / 4 and 32 / 4 17.5-17.7, 32 / 8 19.2, 64 / 8 19.0. Other dims: ROWS_ELEMENTS / dim
-rows (at least 16) and 4 warps."""
+ROWS_TILES = {(2, 128): (16, 2), (1, 128): (32, 4)}
+"""Rows per block and warps of the register kernel by rotation (ROTATE: 2 Hadamard, 1 dense) and padded dim, measured
+with 7 pre-scales. Hadamard, 10M x 128 tq4: on an H200 16 rows and 2 warps 16.1 ms, 16 / 4 and 32 / 4 17.5-17.7,
+32 / 8 19.2, 64 / 8 19.0 (before the FMA-pipe comparisons); on an H100 16 / 2 11.9 ms, 16 / 4 15.6, 32 / 4 13.3.
+Dense, on an H100: 2M x 100 tq3 16 / 2 3.92 ms, 16 / 4 3.69, 32 / 4 3.21; 4M x 96 tq2 5.98, 5.50, 3.64 (with the
+rotation in three tf32 products before, 11.00 and 16.64 ms at 16 / 2). Others: ROWS_ELEMENTS / dim rows (at least
+16) and 4 warps."""
 ROWS_ELEMENTS = 4096
 SAT_STEPS = 3
 """Thresholds of the register kernel's level search compared on the FMA pipe (``_above``), the others on the ALU
@@ -250,17 +254,18 @@ def _encode_kernel(X, XN, RP, SCRATCH, n, d, pw, MAG, BND, ALPHAS, OUT, row_byte
 
 
 @triton.jit
-def _encode_rows_kernel(X, XN, RT, SIGNS, THR, MAG, STEPS, ALPHAS, OUT, NORM, DOT, SQ, n, d, row_bytes, rsqrt_d,
+def _encode_rows_kernel(X, XN, RT, RT2, THR, MAG, STEPS, ALPHAS, OUT, NORM, DOT, SQ, n, d, row_bytes, post,
                         R: tl.constexpr, A: tl.constexpr, ROTATE: tl.constexpr, DP: tl.constexpr,
-                        BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, AHEAD: tl.constexpr, SAT: tl.constexpr):
+                        BLOCK_N: tl.constexpr, AHEAD: tl.constexpr, SAT: tl.constexpr):
     """Persistent program over row blocks of one coded run covering every coordinate, in natural order,
-    each block held in registers: X [n, d] (ROTATE 0: the rotated rows; 1: rotated here by a dense rotation,
-    ``y = x RT`` with RT float32 [DP, DP] the rotation's transpose, zero padded; 2: by a Hadamard rotation,
-    ``y = (x * SIGNS) H / sqrt(d)`` with RT the ±1 matrix H [DP, DP]: the rows are split into two float16 pieces
-    (22 bits of mantissa) whose products with ±1 are exact, summed in float32), XN [n, d] the rows as given
-    (norms); with AHEAD each block's rows XN are loaded while the program works on the block before (Hadamard
-    rotations: with the other ones the extra registers spill, compiled for sm_90). The operand RT is loaded once per
-    program. THR [A, H]: the positive boundaries divided by each
+    each block held in registers: X [n, d] (ROTATE 0: the rotated rows; otherwise rotated here, each row (scaled by
+    a power of two, its largest coordinate into [1, 2)) split into two float16 pieces hi + lo, 22 bits of mantissa:
+    1, a dense rotation, ``y = (hi RT + hi RT2 + lo RT) post`` with RT + RT2 the float16 pieces of the rotation's
+    transpose times 1 / post, [DP, DP] zero padded (:func:`_natural_rotation`), products summed in float32 on
+    tensor cores; 2, a Hadamard rotation, ``y = (x * RT2) H post`` with RT the ±1 matrix H [DP, DP], RT2 the signs
+    and post 1 / sqrt(d): the pieces' products with ±1 are exact), XN [n, d] the rows as given (norms); with AHEAD
+    each block's rows XN are loaded while the program works on the block before. The operands RT (RT2) are loaded
+    once per program. THR [A, H]: the positive boundaries divided by each
     pre-scale (the direction search compares |u| with them, the first SAT of them on the FMA pipe, :func:`_above`;
     a runtime loop over the pre-scales keeps one pre-scale's temporaries live, not A), STEPS: :func:`level_steps` of
     the magnitudes MAG; the codes of a group (``planes`` consecutive coordinates) are summed into one word by
@@ -278,9 +283,10 @@ def _encode_rows_kernel(X, XN, RT, SIGNS, THR, MAG, STEPS, ALPHAS, OUT, NORM, DO
     g = tl.arange(0, DP // P)
     if ROTATE == 1:
         rt = tl.load(RT + col[:, None] * DP + col[None, :])
+        rt2 = tl.load(RT2 + col[:, None] * DP + col[None, :])
     elif ROTATE == 2:
-        rt = tl.load(RT + col[:, None] * DP + col[None, :]).to(tl.float16)
-        signs = tl.load(SIGNS + col)
+        rt = tl.load(RT + col[:, None] * DP + col[None, :])
+        signs = tl.load(RT2 + col)
     if AHEAD:
         xn_next = _row_block(XN, pid * BLOCK_N + tl.arange(0, BLOCK_N), col, n, d)
     for blk in range(pid, tl.cdiv(n, BLOCK_N), programs):
@@ -296,11 +302,13 @@ def _encode_rows_kernel(X, XN, RT, SIGNS, THR, MAG, STEPS, ALPHAS, OUT, NORM, DO
         norm = tl.sqrt(tl.sum(xs * xs, axis=1))
         inv = 1.0 / tl.where(norm > 0, norm, 1.0)
         if ROTATE == 1:
-            y = tl.dot(xs, rt, input_precision=PRECISION)
+            hi = xs.to(tl.float16)
+            lo = (xs - hi.to(tl.float32)).to(tl.float16)
+            y = tl.dot(hi, rt, tl.dot(lo, rt, tl.dot(hi, rt2))) * post  # the small terms first
         elif ROTATE == 2:
             xz = xs * signs[None, :]
             hi = xz.to(tl.float16)
-            y = tl.dot((xz - hi.to(tl.float32)).to(tl.float16), rt, tl.dot(hi, rt)) * rsqrt_d
+            y = tl.dot((xz - hi.to(tl.float32)).to(tl.float16), rt, tl.dot(hi, rt)) * post
         else:
             y = _row_block(X, rows, col, n, d) * scale[:, None]
         u = tl.abs(y) * inv[:, None]
@@ -347,16 +355,17 @@ def _planar_rotation(rotation: Any, layouts: tuple[RunLayout, ...]) -> Tensor:
 
 
 @lru_cache(maxsize=32)
-def _natural_rotation(rotation: Any, dp: int) -> tuple[int, Tensor, Tensor | None]:
-    """The register kernel's rotation operands, cached per rotation object: (2, the Hadamard matrix [dp, dp] of ±1,
-    the signs [dp]) for a Hadamard rotation, else (1, the rotation's transpose float32 [dp, dp] zero padded, None),
-    ``y = x RT``."""
+def _natural_rotation(rotation: Any, dp: int) -> tuple[int, Tensor, Tensor, float]:
+    """The register kernel's rotation operands (ROTATE, RT, RT2, post), cached per rotation object: for a Hadamard
+    rotation (2, the ±1 matrix float16 [dp, dp], the signs float32 [dp], 1 / sqrt(dim)), else (1, the float16 pieces
+    of the rotation's transpose times 2^s [dp, dp] zero padded (:func:`_split_transpose`), 2^-s)."""
     m = rotation.matmul_matrix
     if rotation.kind == "hadamard":
-        return 2, hadamard_matrix(dp).to(m.device), rotation.signs.to(m.device).float().contiguous()
-    rt = torch.zeros(dp, dp, device=m.device)
-    rt[: rotation.dim, : rotation.dim] = m.float().T
-    return 1, rt, None
+        return 2, hadamard_matrix(dp).to(m.device).half(), rotation.signs.to(m.device).float().contiguous(), \
+            rotation.dim ** -0.5
+    hi, lo, s = _split_transpose(rotation)
+    pad = (0, dp - rotation.dim, 0, dp - rotation.dim)
+    return 1, torch.nn.functional.pad(hi, pad), torch.nn.functional.pad(lo, pad), 2.0**-s
 
 
 class RunTables(NamedTuple):
@@ -454,14 +463,13 @@ def encode_directions_triton(x: Tensor, rotation: Any, runs: Sequence[Any], alph
     in_kernel = rotate
     if n and in_registers(layouts, d):
         dp = next_power_of_2(d)
-        block, warps = ROWS_TILES.get(dp, (max(16, ROWS_ELEMENTS // dp), 4))
-        kind, rt, signs = _natural_rotation(rotation, dp) if rotate else (0, x, None)
+        kind, rt, rt2, post = _natural_rotation(rotation, dp) if rotate else (0, x, x, 1.0)
+        block, warps = ROWS_TILES.get((kind, dp), (max(16, ROWS_ELEMENTS // dp), 4))
         src = x if rotate else rotation.apply(x).contiguous()
         _encode_rows_kernel[(_programs(cdiv(n, block), device),)](
-            src, x, rt, rt if signs is None else signs, tables.thresholds, mags, tables.steps, alphas, qdata, norm, dot,
-            sq, n, d, row_bytes, d ** -0.5, R=tuple(layouts[0]), A=len(alphas), ROTATE=kind, DP=dp, BLOCK_N=block,
-            PRECISION=precision, AHEAD=kind == 2, SAT=SAT_STEPS if device.type == "cuda" else 0,
-            num_warps=warps)
+            src, x, rt, rt2, tables.thresholds, mags, tables.steps, alphas, qdata, norm, dot, sq, n, d, row_bytes, post,
+            R=tuple(layouts[0]), A=len(alphas), ROTATE=kind, DP=dp, BLOCK_N=block, AHEAD=kind == 2,
+            SAT=SAT_STEPS if device.type == "cuda" else 0, num_warps=warps)
     elif n:
         pw = plane_width(layouts)
         programs = _programs(cdiv(n, BLOCK_N), device)
