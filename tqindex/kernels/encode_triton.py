@@ -86,10 +86,10 @@ _SATURATED = tl.constexpr(-(2.0**126))
 
 @triton.jit
 def _above(u, t, SAT: tl.constexpr):
-    """1.0 where u > t, else 0.0 (float32 u >= 0, threshold 0 < t < 2). A comparison to float runs on the ALU pipe,
+    """1.0 where u > t, else 0.0 (float32 u in [0, 2], threshold t > 0). A comparison to float runs on the ALU pipe,
     at half the rate of the FMA pipe; SAT (CUDA only) computes it there: ``fma.rn.sat(u, 2^126, -t 2^126)``, exact
-    for t >= 2^-90, as ``t 2^126`` is exact and the fused ``(u - t) 2^126`` is at most 0 unless u > t, then at
-    least ``ulp(t) 2^126 > 1``, saturated to 1."""
+    for t >= 2^-90 (direction codebooks' positive boundaries are far above), as ``t 2^126`` is exact or -inf and the
+    fused ``(u - t) 2^126`` is at most 0 unless u > t, then at least ``ulp(t) 2^126 > 1``, saturated to 1."""
     if SAT:
         return tl.inline_asm_elementwise("fma.rn.sat.f32 $0, $1, 0f7E800000, $2;", "=f,f,f",
                                          [u, tl.zeros_like(u) + t * _SATURATED], tl.float32, True, 1)
@@ -264,8 +264,8 @@ def _encode_rows_kernel(X, XN, RT, RT2, THR, MAG, STEPS, ALPHAS, OUT, NORM, DOT,
     transpose times 1 / post, [DP, DP] zero padded (:func:`_natural_rotation`), products summed in float32 on
     tensor cores; 2, a Hadamard rotation, ``y = (x * RT2) H post`` with RT the ±1 matrix H [DP, DP], RT2 the signs
     and post 1 / sqrt(d): the pieces' products with ±1 are exact), XN [n, d] the rows as given (norms); with AHEAD
-    each block's rows XN are loaded while the program works on the block before. The operands RT (RT2) are loaded
-    once per program. THR [A, H]: the positive boundaries divided by each
+    (Hadamard rotations, where it was measured) each block's rows XN are loaded while the program works on the block
+    before. The operands RT (RT2) are loaded once per program. THR [A, H]: the positive boundaries divided by each
     pre-scale (the direction search compares |u| with them, the first SAT of them on the FMA pipe, :func:`_above`;
     a runtime loop over the pre-scales keeps one pre-scale's temporaries live, not A), STEPS: :func:`level_steps` of
     the magnitudes MAG; the codes of a group (``planes`` consecutive coordinates) are summed into one word by
@@ -361,8 +361,8 @@ def _natural_rotation(rotation: Any, dp: int) -> tuple[int, Tensor, Tensor, floa
     of the rotation's transpose times 2^s [dp, dp] zero padded (:func:`_split_transpose`), 2^-s)."""
     m = rotation.matmul_matrix
     if rotation.kind == "hadamard":
-        return 2, hadamard_matrix(dp).to(m.device).half(), rotation.signs.to(m.device).float().contiguous(), \
-            rotation.dim ** -0.5
+        signs = rotation.signs.to(m.device).float().contiguous()
+        return 2, hadamard_matrix(dp).to(m.device).half(), signs, rotation.dim**-0.5
     hi, lo, s = _split_transpose(rotation)
     pad = (0, dp - rotation.dim, 0, dp - rotation.dim)
     return 1, torch.nn.functional.pad(hi, pad), torch.nn.functional.pad(lo, pad), 2.0**-s
@@ -398,7 +398,8 @@ def level_steps(mags: Tensor) -> Tensor:
     target = torch.cat([mags[1:], mags[-1:]])
     s = target - mags
     got = mags + s  # a rounded difference can miss by an ulp: one nudge toward the target
-    return torch.where(got < target, torch.nextafter(s, target + 1), torch.where(got > target, torch.nextafter(s, -target - 1), s))
+    up, down = torch.nextafter(s, target + 1), torch.nextafter(s, -target - 1)
+    return torch.where(got < target, up, torch.where(got > target, down, s))
 
 
 @lru_cache(maxsize=32)
