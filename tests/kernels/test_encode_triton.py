@@ -5,8 +5,8 @@ import torch
 
 import tqindex as tq
 from devices import DEVICE, needs_triton
-from tqindex.kernels import encode_triton
 from tqindex.directions import encode_directions, encode_directions_reference, search_alphas
+from tqindex.kernels import encode_triton
 from tqindex.packing import packed_size, unpack
 
 pytestmark = needs_triton
@@ -74,8 +74,6 @@ def test_programs_that_walk_several_row_blocks(name, dim, monkeypatch):
     """The kernels are persistent: a program takes row blocks pid, pid + programs, ... (on GPUs a few programs per
     multiprocessor; the register kernel loads each block's rows while it works on the block before). Two programs
     here, so each takes several blocks, the last one partial."""
-    from tqindex.kernels import encode_triton
-
     monkeypatch.setattr(encode_triton, "_programs", lambda blocks, device: min(blocks, 2))
     x = torch.randn(161, dim, generator=torch.Generator().manual_seed(dim))
     check(tq.make_encoder(name, dim), x.to(DEVICE))
