@@ -98,6 +98,13 @@ def _above(u, t, SAT: tl.constexpr):
 
 
 @triton.jit
+def _pieces(x):
+    """float32 x (magnitudes below 2^16) as two float16 pieces hi + lo, 22 bits of its mantissa."""
+    hi = x.to(tl.float16)
+    return hi, (x - hi.to(tl.float32)).to(tl.float16)
+
+
+@triton.jit
 def _row_block(P, rows, col, n, d):
     """Rows ``rows`` [BLOCK_N] of P [n, d] at columns ``col`` [DP], zeros outside: [BLOCK_N, DP] float32."""
     return tl.load(P + rows[:, None].to(tl.int64) * d + col[None, :], mask=(rows < n)[:, None] & (col[None, :] < d),
@@ -302,13 +309,11 @@ def _encode_rows_kernel(X, XN, RT, RT2, THR, MAG, STEPS, ALPHAS, OUT, NORM, DOT,
         norm = tl.sqrt(tl.sum(xs * xs, axis=1))
         inv = 1.0 / tl.where(norm > 0, norm, 1.0)
         if ROTATE == 1:
-            hi = xs.to(tl.float16)
-            lo = (xs - hi.to(tl.float32)).to(tl.float16)
+            hi, lo = _pieces(xs)
             y = tl.dot(hi, rt, tl.dot(lo, rt, tl.dot(hi, rt2))) * post  # the small terms first
         elif ROTATE == 2:
-            xz = xs * signs[None, :]
-            hi = xz.to(tl.float16)
-            y = tl.dot((xz - hi.to(tl.float32)).to(tl.float16), rt, tl.dot(hi, rt)) * post
+            hi, lo = _pieces(xs * signs[None, :])
+            y = tl.dot(lo, rt, tl.dot(hi, rt)) * post
         else:
             y = _row_block(X, rows, col, n, d) * scale[:, None]
         u = tl.abs(y) * inv[:, None]
@@ -460,7 +465,6 @@ def encode_directions_triton(x: Tensor, rotation: Any, runs: Sequence[Any], alph
     row_bytes = sum(r.nbytes for r in runs)
     qdata = torch.empty(n, row_bytes, dtype=torch.uint8, device=device)
     norm, dot, sq = (torch.empty(n, device=device) for _ in range(3))
-    precision = "tf32x3" if device.type == "cuda" else "ieee"
     in_kernel = rotate
     if n and in_registers(layouts, d):
         dp = next_power_of_2(d)
@@ -485,7 +489,8 @@ def encode_directions_triton(x: Tensor, rotation: Any, runs: Sequence[Any], alph
             src, x, rp, scratch, n, d, pw, mags, bounds, alphas, qdata,
             row_bytes, norm, dot, sq, R0=tuple(layouts[0]), R1=tuple(layouts[1]), R2=tuple(layouts[2]),
             A=len(alphas), AP=max(2, next_power_of_2(len(alphas))), ROTATE=in_kernel,
-            DK=cdiv(d, BLOCK_K) * BLOCK_K, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, PRECISION=precision,
+            DK=cdiv(d, BLOCK_K) * BLOCK_K, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+            PRECISION="tf32x3" if device.type == "cuda" else "ieee",
             num_warps=NUM_WARPS)
     if not in_kernel:  # the kernel scaled the rows, not the rotation applied to them first
         rescue_unsafe_rows(encode_directions_triton, x, rotation, runs, alphas, qdata, norm, dot, sq)
