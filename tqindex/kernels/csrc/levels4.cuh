@@ -16,14 +16,6 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t s) {
   return d;
 }
 
-// x >> K (0 < K < 32) as a multiply-high (IMAD.HI), which issues on the FMA pipe: a shift (SHF) issues on the ALU
-// pipe, at half rate, with the prmt and logic ops that bound the decode loops here (compiled for sm_90, the tile
-// loops of these kernels take about twice as many ALU-pipe instructions as FMA-pipe ones).
-template <int K>
-__device__ __forceinline__ uint32_t shr(uint32_t x) {
-  return __umulhi(x, 1u << (32 - K));
-}
-
 // The f16 levels of the eight 4-bit codes of w (code c in bits 4c..4c+3): low bytes of codes 0-3 in la, high bytes
 // in ha, codes 4-7 in lb / hb. Direction codes: a code below 8 is negative with magnitude index 7 - c, else
 // positive with c - 8. E2M1: bit 3 is the sign, bits 0-2 the magnitude index.
@@ -36,16 +28,15 @@ __device__ __forceinline__ void lookup(uint32_t w, const Table& t, uint32_t& la,
     m = w & 0x77777777u;
   } else {
     neg = ~w & 0x88888888u;
-    m = (w & 0x77777777u) ^ __umulhi(neg, 7u << 29);  // magnitude indices: 7 (neg >> 3) flips negative ones
+    m = (w & 0x77777777u) ^ (neg - (neg >> 3));  // magnitude indices, one per nibble
   }
-  const uint32_t mh = shr<16>(m);
   la = prmt(t.lo0, t.lo1, m);
   ha = prmt(t.hi0, t.hi1, m);
-  lb = prmt(t.lo0, t.lo1, mh);
-  hb = prmt(t.hi0, t.hi1, mh);
-  // selector 4 (byte 0x80) where negative, 0 (byte 0) elsewhere
-  ha |= prmt(0u, 0x80808080u, shr<1>(neg));
-  hb |= prmt(0u, 0x80808080u, shr<17>(neg));
+  lb = prmt(t.lo0, t.lo1, m >> 16);
+  hb = prmt(t.hi0, t.hi1, m >> 16);
+  const uint32_t s = neg >> 1;  // selector 4 (byte 0x80) where negative, 0 (byte 0) elsewhere
+  ha |= prmt(0u, 0x80808080u, s);
+  hb |= prmt(0u, 0x80808080u, s >> 16);
 }
 
 // The int8 levels of the eight 4-bit direction codes of w (code c in bits 4c..4c+3): codes 0-3 in the bytes of v0,
@@ -53,12 +44,12 @@ __device__ __forceinline__ void lookup(uint32_t w, const Table& t, uint32_t& la,
 // lookups of the code's low three bits, then a pick of either by its bit 3.
 __device__ __forceinline__ void lookup_i8(uint32_t w, uint32_t neg0, uint32_t neg1, uint32_t pos0, uint32_t pos1,
                                           uint32_t& v0, uint32_t& v1) {
-  const uint32_t s = w & 0x77777777u, sh = shr<16>(s);
+  const uint32_t s = w & 0x77777777u;
   const uint32_t a0 = prmt(neg0, neg1, s), b0 = prmt(pos0, pos1, s);
-  const uint32_t a1 = prmt(neg0, neg1, sh), b1 = prmt(pos0, pos1, sh);
-  const uint32_t pick = (shr<1>(w) & 0x44444444u) | 0x32103210u;  // byte i of a (bit 3 clear) or of b (set)
+  const uint32_t a1 = prmt(neg0, neg1, s >> 16), b1 = prmt(pos0, pos1, s >> 16);
+  const uint32_t pick = ((w >> 1) & 0x44444444u) | 0x32103210u;  // byte i of a (bit 3 clear) or of b (set)
   v0 = prmt(a0, b0, pick);
-  v1 = prmt(a1, b1, shr<16>(pick));
+  v1 = prmt(a1, b1, pick >> 16);
 }
 
 }  // namespace tq4

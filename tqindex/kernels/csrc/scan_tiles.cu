@@ -190,10 +190,10 @@ __device__ __forceinline__ void mma_piece(uint4 v0, uint4 v1, const int8_t* qrow
     const uint32_t w1 = s == 0 ? v1.x : s == 1 ? v1.y : s == 2 ? v1.z : v1.w;
     const uint32_t f0 = w0 ^ 0x88888888u, f1 = w1 ^ 0x88888888u;
     // negative lookups (codes 0-7: level, 8-15: -1), positive ones (8-15: level + 1, 0-7: 0)
-    const uint32_t n0 = tq4::prmt(neg0, neg1, w0), n2 = tq4::prmt(neg0, neg1, tq4::shr<16>(w0));
-    const uint32_t n1 = tq4::prmt(neg0, neg1, w1), n3 = tq4::prmt(neg0, neg1, tq4::shr<16>(w1));
-    const uint32_t p0 = tq4::prmt(pos0, pos1, f0), p2 = tq4::prmt(pos0, pos1, tq4::shr<16>(f0));
-    const uint32_t p1 = tq4::prmt(pos0, pos1, f1), p3 = tq4::prmt(pos0, pos1, tq4::shr<16>(f1));
+    const uint32_t n0 = tq4::prmt(neg0, neg1, w0), n2 = tq4::prmt(neg0, neg1, w0 >> 16);
+    const uint32_t n1 = tq4::prmt(neg0, neg1, w1), n3 = tq4::prmt(neg0, neg1, w1 >> 16);
+    const uint32_t p0 = tq4::prmt(pos0, pos1, f0), p2 = tq4::prmt(pos0, pos1, f0 >> 16);
+    const uint32_t p1 = tq4::prmt(pos0, pos1, f1), p3 = tq4::prmt(pos0, pos1, f1 >> 16);
     if constexpr (L2) {  // a level squared, (n + p)^2: one of n, p is the level (+ 1), the other 0 (-1)
       sq0 += dp4a(n0, n0, dp4a(p0, p0, dp4a(n2, n2, dp4a(p2, p2, 0)))) + 2 * dp4a(n0, p0, dp4a(n2, p2, 0));
       sq1 += dp4a(n1, n1, dp4a(p1, p1, dp4a(n3, n3, dp4a(p3, p3, 0)))) + 2 * dp4a(n1, p1, dp4a(n3, p3, 0));
