@@ -9,21 +9,23 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from tiny import CACHE_KW, llama_config, prompt, seeded
 from tqindex import kernels
 from tqindex.kv import DecodeGraph, TQCache, TQLayer
+from tqindex.kernels.graphs import _Graph
+from tqindex.kv import hf
 
 torch.set_num_threads(1)
 CUDA = torch.device("cuda")
 
 
-def _model(device: torch.device = torch.device("cpu"), dtype: torch.dtype = torch.float32):
+def _model(device: torch.device = torch.device("cpu"), dtype: torch.dtype = torch.float32, **config):
     from transformers import LlamaForCausalLM
 
-    model = seeded(LlamaForCausalLM, llama_config()).to(device, dtype)
+    model = seeded(LlamaForCausalLM, llama_config(**config)).to(device, dtype)
     model.set_attn_implementation("tqindex")
     return model
 
 
-def _cache(model, backend: str | None = None, protected: int = 0) -> TQCache:
-    return TQCache(model.config, "tq4", "tq3", residual_length=4, protected_layers=protected, sink_length=2,
+def _cache(model, backend: str | None = None, protected: int = 0, values: str = "tq3") -> TQCache:
+    return TQCache(model.config, "tq4", values, residual_length=4, protected_layers=protected, sink_length=2,
                    encode_stride=3, backend=backend)
 
 
@@ -141,17 +143,44 @@ def test_bad_caches_and_input_are_refused():
         DecodeGraph(model, cache, headroom=-1)
 
 
+def _growing(model, ids: torch.Tensor, steps: int, monkeypatch, **kw) -> list[torch.Tensor]:
+    """The logits of :func:`_decode` over a cache whose stores keep growing (no layer graphs)."""
+    with monkeypatch.context() as patch:
+        patch.setattr(hf, "LAYER_GRAPHS", 0)
+        return _decode(model, _cache(model, **kw), ids, steps, None)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_replayed_graphs_give_the_logits_of_growing_steps_on_cuda():
+def test_replayed_graphs_give_the_logits_of_growing_steps_on_cuda(monkeypatch):
     model = _model(CUDA, torch.float16)
     ids = prompt(2, 250).to(CUDA)  # about 245 codes: their buffers (256 tokens) grow within 40 steps
-    want = _decode(model, _cache(model), ids, 40, None)
+    want = _growing(model, ids, 40, monkeypatch)
     cache = _cache(model)
     graph = DecodeGraph(model, cache, headroom=8)
     got = _decode(model, cache, ids, 40, graph)
     assert graph.recordings == 2  # recorded at the second step, again once the code buffers grew
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("values, dim", [("tq3", 32), ("tq4", 64)])  # Triton kernels alone; the CUDA kernel too
+def test_eager_steps_on_cuda_replay_each_layers_attention(monkeypatch, values, dim):
+    model = _model(CUDA, torch.float16, head_dim=dim)
+    ids = prompt(2, 250).to(CUDA)
+    want = _growing(model, ids, 40, monkeypatch, values=values)
+    cache = _cache(model, values=values)
+    got = _decode(model, cache, ids, 40, None)
+    stores = [layer.store for layer in cache.layers]
+    assert all(store.static for store in stores)
+    for store in stores:  # recorded once at the third step, replayed since (one shape, the same buffers)
+        assert [type(g) for g in store._static.graphs._graphs.values()] == [_Graph]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+    cache.crop(-5)  # edits return to growing stores; the next steps go static again
+    assert not any(store.static for store in stores)
+    _decode(model, cache, ids[:, -1:], 2, None)
+    assert all(store.static for store in stores)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

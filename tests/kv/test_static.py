@@ -1,6 +1,9 @@
 """Static stores (fixed-capacity windows, lengths on the device) against growing ones, and the attention
 kernel reading the lengths on the device."""
 
+import copy
+import pickle
+
 import pytest
 import torch
 
@@ -81,7 +84,8 @@ def test_static_views_keep_their_tensors_until_the_codes_grow():
     for step in range(3):
         store.append(*_tokens(1, seed=step + 1))
         keys, values = store.view()
-        assert keys.lengths is first[0].lengths and values.window.data_ptr() == first[1].window.data_ptr()
+        assert keys.lengths is first[0].lengths and keys.graphs is first[0].graphs
+        assert [t.window.data_ptr() for t in (keys, values)] == [t.window.data_ptr() for t in first]  # held keys too
         assert keys.codes.qdata.data_ptr() == first[0].codes.qdata.data_ptr()
         assert keys.lengths.tolist() == [store.compressed_length, store.window_length]
     k, v = _tokens(1, seed=4)
@@ -92,6 +96,9 @@ def test_static_views_keep_their_tensors_until_the_codes_grow():
     store.append(k, v)
     assert store.keys.capacity > capacity and store.keys.capacity - store.compressed_length >= 3
     assert store.view()[0].lengths.tolist() == [store.compressed_length, store.window_length]
+    for copied in (copy.deepcopy(store), pickle.loads(pickle.dumps(store))):  # recorded graphs are not copied
+        assert copied.static and copied.view()[0].graphs.limit == store.view()[0].graphs.limit
+        torch.testing.assert_close(copied.materialize(), store.materialize())
 
 
 def test_edits_and_long_appends_return_to_the_growing_mode():

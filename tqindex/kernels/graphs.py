@@ -140,6 +140,10 @@ class SearchGraphs:
                 return search(q) if redo else out
         return search(q)
 
+    def __reduce__(self) -> tuple:
+        """Copies and pickles start empty (recorded graphs are bound to their buffers)."""
+        return SearchGraphs, (self.limit,)
+
     def resize(self, limit: int) -> None:
         """Keep at most ``limit`` shapes recorded (0: none), dropping the least recently used now."""
         with self._lock:

@@ -53,7 +53,7 @@ from __future__ import annotations
 import hashlib
 import json
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -61,6 +61,7 @@ from torch import Tensor
 from ..checks import check_int
 from ..codes import Codes
 from ..encoder import Encoder, encoder_from_dict
+from ..kernels.graphs import SearchGraphs
 
 DENSE_BYTES_PER_ELEMENT = 2
 """Bytes per element of the reference dense cache (bfloat16), for :meth:`KVStore.nbytes_dense`."""
@@ -74,6 +75,8 @@ is unused capacity (doubling leaves up to half, which a long-context cache pays 
 STATIC_HEADROOM = 1024
 """Tokens of code capacity :meth:`KVStore.make_static` keeps free beyond the valid ones (growing it reallocates
 the buffers, which a recorded CUDA graph cannot follow: it is then recorded again)."""
+LAYER_GRAPHS = 2
+"""Shapes of attention calls recorded as CUDA graphs per static store (``CompressedTokens.graphs``; 0: none)."""
 MAX_SCALE_CONDITION = 1e6
 """The largest condition number of a key scale matrix (its inverse multiplies every held key in float32)."""
 _ALL = slice(None)
@@ -177,6 +180,8 @@ class CompressedTokens:
     lengths: None, or int64 [2] on the window's device: the valid codes and window tokens, when ``codes``
              and ``window`` are fixed-capacity buffers filled on the device (a CUDA-graph decode step, see
              :meth:`KVStore.make_static`); the attention kernel reads them there, :meth:`valid` on the host.
+    graphs:  None, or with ``lengths``: the CUDA graphs of attention calls over these very buffers (a static store's,
+             kept while they stay the same; see :func:`tqindex.kv.hf.tq_attention_forward`).
     """
 
     codes: Codes
@@ -185,6 +190,7 @@ class CompressedTokens:
     query_scale: Tensor | None = None
     sink: int = 0
     lengths: Tensor | None = None
+    graphs: SearchGraphs | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -623,30 +629,34 @@ class KVStore:
         to attention as the queries' ``query_scale``."""
         if self.keys is None:
             raise ValueError("the KVStore is empty: append tokens before reading it")
-        if self._static is None:
+        static = self._static
+        if static is None:
             return self._tokens(self.keys.view(), self.values.view(), self._key_window, self._value_window)
         # static: the whole buffers, the valid lengths on the device (the same tensors at every step)
-        return self._tokens(self.keys.data, self.values.data, self._key_window, self._value_window,
-                            self._static.lengths)
+        held = static.held
+        return self._tokens(self.keys.data, self.values.data, self._key_window if held is None else held,
+                            self._value_window, static.lengths, held is not None, static.graphs)
 
     def _tokens(self, key_codes: Codes, value_codes: Codes, key_window: Tensor, value_window: Tensor,
-                lengths: Tensor | None = None) -> tuple[CompressedTokens, CompressedTokens]:
-        """(keys, values) CompressedTokens of these codes and windows, keys as the codes hold them (:meth:`view`);
-        the recent tier's tokens decoded into the windows after their sinks."""
+                lengths: Tensor | None = None, keys_held: bool = False, graphs: SearchGraphs | None = None
+                ) -> tuple[CompressedTokens, CompressedTokens]:
+        """(keys, values) CompressedTokens of these codes and windows, keys as the codes hold them (:meth:`view`;
+        ``keys_held``: key_window holds them so already); the recent tier's tokens decoded into the windows after
+        their sinks."""
         sink = self.sink_held
-        if self.recent_length:
+        if self.recent_length:  # (never static)
             held = [self._held_keys(key_window), value_window]
             for i, (side, buffer) in enumerate(((self.recent.key_encoder, self.recent_keys),
                                                 (self.recent.value_encoder, self.recent_values))):
                 held[i] = in_order(held[i].float(), side.decode(buffer.view()).float(), sink)
             key_window, value_window = held[0].to(key_window.dtype), held[1].to(value_window.dtype)
-        elif self.key_offset is not None or self.key_scale is not None:
+        elif not keys_held and (self.key_offset is not None or self.key_scale is not None):
             key_window = self._held_keys(key_window).to(key_window.dtype)
         scale = self.key_scale
         if scale is not None:
             scale = scale[None, :, None, :] if scale.dim() == 2 else scale.mT
         return (
-            CompressedTokens(key_codes, key_window, self.key_encoder, scale, sink, lengths),
+            CompressedTokens(key_codes, key_window, self.key_encoder, scale, sink, lengths, graphs),
             CompressedTokens(value_codes, value_window, self.value_encoder, sink=sink, lengths=lengths),
         )
 
@@ -714,16 +724,19 @@ class KVStore:
         self.settle()  # the window now holds fewer than encode_stride tokens beyond its sinks and residual_length
         held = self.window_length
         capacity = min(self.sink_length + self.residual_length + self.encode_stride, held + max(headroom, room))
+        windows = [self._key_window, self._value_window]
+        if self.key_offset is not None or self.key_scale is not None:
+            windows.append(self._held_keys(self._key_window).to(self._key_window.dtype))
         buffers = []
-        for window in (self._key_window, self._value_window):
+        for window in windows:
             buffer = window.new_empty(*window.shape[:2], capacity, window.shape[3])
             buffer[:, :, :held] = window
             buffers.append(buffer)
         for codes in (self.keys, self.values):
             codes.reserve(headroom)
         lengths = torch.tensor([self.compressed_length, held], dtype=torch.int64).to(buffers[0].device)
-        self._key_window, self._value_window = buffers
-        self._static = _Static(lengths, held, headroom)
+        self._key_window, self._value_window = buffers[:2]
+        self._static = _Static(lengths, held, headroom, buffers[2] if len(buffers) > 2 else None)
         self.prepare(room)
 
     def make_dynamic(self) -> None:
@@ -755,7 +768,7 @@ class KVStore:
                     codes.reserve(old + static.headroom)
                 codes.append(new)
             rest = static.window - sink - old
-            for window in (self._key_window, self._value_window):
+            for window in self._static_windows():
                 window[:, :, sink : sink + rest] = window[:, :, sink + old : static.window].clone()
             static.window = sink + rest
             static.lengths[0].fill_(self.compressed_length)
@@ -779,6 +792,8 @@ class KVStore:
         at = static.lengths[1:] if n == 1 else static.lengths[1:] + torch.arange(n, device=key.device)
         self._key_window.index_copy_(2, at, key.to(self._key_window.dtype))
         self._value_window.index_copy_(2, at, value.to(self._value_window.dtype))
+        if static.held is not None:
+            static.held.index_copy_(2, at, self._held_keys(key).to(static.held.dtype))
         static.lengths[1:] += n
         static.window += n
 
@@ -788,6 +803,11 @@ class KVStore:
             return self._key_window, self._value_window
         n = self._static.window
         return self._key_window[:, :, :n], self._value_window[:, :, :n]
+
+    def _static_windows(self) -> list[Tensor]:
+        """A static store's window buffers: keys, values, and the keys as the codes hold them where it has them."""
+        held = self._static.held
+        return [self._key_window, self._value_window, *(() if held is None else (held,))]
 
     # -- helpers -----------------------------------------------------------------------------------
     def _buffers(self) -> list[CodesBuffer]:
@@ -822,6 +842,8 @@ class _Static:
     lengths: Tensor  # int64 [2] on the store's device: valid codes, valid window tokens
     window: int  # valid window tokens, on the host
     headroom: int  # tokens of code capacity reserved at a time
+    held: Tensor | None = None  # the key window as the codes hold them (centered or scaled keys), kept as it fills
+    graphs: SearchGraphs = field(default_factory=lambda: SearchGraphs(LAYER_GRAPHS))  # attention over the buffers
 
 
 def _check_scale(scale: Tensor | None, dim: int) -> Tensor | None:
