@@ -10,7 +10,6 @@ from tiny import CACHE_KW, llama_config, prompt, seeded
 from tqindex import kernels
 from tqindex.kv import DecodeGraph, TQCache, TQLayer
 from tqindex.kernels.graphs import _Graph
-from tqindex.kv import hf
 
 torch.set_num_threads(1)
 CUDA = torch.device("cuda")
@@ -24,9 +23,10 @@ def _model(device: torch.device = torch.device("cpu"), dtype: torch.dtype = torc
     return model
 
 
-def _cache(model, backend: str | None = None, protected: int = 0, values: str = "tq3") -> TQCache:
+def _cache(model, backend: str | None = None, protected: int = 0, values: str = "tq3", layer_graphs: int = 0
+           ) -> TQCache:
     return TQCache(model.config, "tq4", values, residual_length=4, protected_layers=protected, sink_length=2,
-                   encode_stride=3, backend=backend)
+                   encode_stride=3, backend=backend, layer_graphs=layer_graphs)
 
 
 def _decode(model, cache, ids: torch.Tensor, steps: int, graph: DecodeGraph | None) -> list[torch.Tensor]:
@@ -143,18 +143,11 @@ def test_bad_caches_and_input_are_refused():
         DecodeGraph(model, cache, headroom=-1)
 
 
-def _growing(model, ids: torch.Tensor, steps: int, monkeypatch, **kw) -> list[torch.Tensor]:
-    """The logits of :func:`_decode` over a cache whose stores keep growing (no layer graphs)."""
-    with monkeypatch.context() as patch:
-        patch.setattr(hf, "LAYER_GRAPHS", 0)
-        return _decode(model, _cache(model, **kw), ids, steps, None)
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_replayed_graphs_give_the_logits_of_growing_steps_on_cuda(monkeypatch):
+def test_replayed_graphs_give_the_logits_of_growing_steps_on_cuda():
     model = _model(CUDA, torch.float16)
     ids = prompt(2, 250).to(CUDA)  # about 245 codes: their buffers (256 tokens) grow within 40 steps
-    want = _growing(model, ids, 40, monkeypatch)
+    want = _decode(model, _cache(model), ids, 40, None)
     cache = _cache(model)
     graph = DecodeGraph(model, cache, headroom=8)
     got = _decode(model, cache, ids, 40, graph)
@@ -163,16 +156,26 @@ def test_replayed_graphs_give_the_logits_of_growing_steps_on_cuda(monkeypatch):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
 
 
+def test_layer_graphs_are_for_cuda_steps():
+    model = _model()
+    cache = _cache(model, layer_graphs=2)
+    _decode(model, cache, prompt(2, 20), 3, None)
+    assert not any(layer.store.static for layer in cache.layers)  # on the CPU the stores keep growing
+    with pytest.raises(ValueError, match="layer_graphs"):
+        _cache(model, layer_graphs=-1)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("values, dim", [("tq3", 32), ("tq4", 64)])  # Triton kernels alone; the CUDA kernel too
-def test_eager_steps_on_cuda_replay_each_layers_attention(monkeypatch, values, dim):
+def test_eager_steps_on_cuda_replay_each_layers_attention(values, dim):
     model = _model(CUDA, torch.float16, head_dim=dim)
     ids = prompt(2, 250).to(CUDA)
-    want = _growing(model, ids, 40, monkeypatch, values=values)
-    cache = _cache(model, values=values)
+    growing = _cache(model, values=values)
+    want = _decode(model, growing, ids, 40, None)
+    cache = _cache(model, values=values, layer_graphs=2)
     got = _decode(model, cache, ids, 40, None)
     stores = [layer.store for layer in cache.layers]
-    assert all(store.static for store in stores)
+    assert all(store.static for store in stores) and not any(layer.store.static for layer in growing.layers)
     for store in stores:  # recorded once at the third step, replayed since (one shape, the same buffers)
         assert [type(g) for g in store._static.graphs._graphs.values()] == [_Graph]
     for a, b in zip(got, want):

@@ -13,11 +13,11 @@ Two attention modes, chosen per call from the model's ``config._attn_implementat
   :func:`tq_attention_forward`, which attends from the codes (:func:`compressed_attention`); plain
   tensors from other layers and caches go to transformers' sdpa. Inside ``torch.compile`` or
   ``torch.export`` it attends over the decoded codes instead (:func:`compressed_attention_ref`, the same
-  result up to float rounding), since the codes path reads the queries on the host. One-token steps on CUDA
-  hold the layer's window in fixed buffers (:meth:`~tqindex.kv.store.KVStore.make_static`) and replay each layer's
-  attention from a CUDA graph of its own (:func:`_compressed`): eager decoding pays the host time of the model's
-  other operations, not the several launches of attention from codes (:class:`~tqindex.kv.DecodeGraph` replays
-  the whole step).
+  result up to float rounding), since the codes path reads the queries on the host. With
+  ``TQCache(..., layer_graphs=n)`` one-token steps on CUDA hold each layer's window in fixed buffers
+  (:meth:`~tqindex.kv.store.KVStore.make_static`) and replay its attention from CUDA graphs of its own
+  (:func:`_compressed`), so that eager decoding skips the host time of attention's several launches
+  (:class:`~tqindex.kv.DecodeGraph` replays whole steps).
 - any other implementation: a ``TQLayer`` returns the decoded keys/values as dense tensors, so every
   attention implementation works, at the cost of decoding the whole history at every step.
 
@@ -52,7 +52,7 @@ from ..encoder import Encoder, encoder_names, make_encoder
 from ..turboquant import MSE_BITS
 from .attention import causal_sdpa, compressed_attention, compressed_attention_ref, dense_attention, _scaled_queries
 from .policy import ENCODE_STRIDE, SINK_LENGTH, KVPolicy, encoder_for
-from .store import LAYER_GRAPHS, CompressedTokens, KVStore, RecentTier, encoder_from_key, encoder_key, tracing
+from .store import CompressedTokens, KVStore, RecentTier, encoder_from_key, encoder_key, tracing
 
 ATTN_IMPLEMENTATION = "tqindex"
 """Name of the attention implementation registered with transformers."""
@@ -171,6 +171,7 @@ class TQLayer(CacheLayerMixin):
         sink_length: int = 0,
         encode_stride: int = 1,
         recent: RecentTier | None = None,
+        layer_graphs: int = 0,
     ) -> None:
         # CacheLayerMixin.__init__ is not called: it assigns ``keys`` / ``values``, which are read-only here.
         self.is_initialized = False
@@ -178,6 +179,7 @@ class TQLayer(CacheLayerMixin):
                              encode_stride, recent)
         self.config = config
         self.settles = True  # encode the tokens beyond the window after each update (KVStore.settle)
+        self.layer_graphs = layer_graphs  # attention shapes kept as CUDA graphs in eager one-token steps (update)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "TQLayer":
         """Copy the stored tokens; the copy shares the encoders and follows the same model config."""
@@ -213,17 +215,17 @@ class TQLayer(CacheLayerMixin):
     def update(
         self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any
     ) -> tuple[Tensor, Tensor] | tuple[CompressedTokens, CompressedTokens]:
-        """Store key/value states [B, H, T, D]; return what the attention function reads. One-token steps on CUDA
-        make the store static first (:meth:`KVStore.make_static`, where it can be) so that their attention is
-        replayed from CUDA graphs (:func:`_compressed`)."""
+        """Store key/value states [B, H, T, D]; return what the attention function reads. With ``layer_graphs``,
+        one-token steps on CUDA make the store static first (:meth:`KVStore.make_static`, where it can be) so that
+        their attention is replayed from CUDA graphs (:func:`_compressed`)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         reads_codes = getattr(self.config, "_attn_implementation", None) == ATTN_IMPLEMENTATION
         store = self.store
-        if (reads_codes and key_states.shape[2] == 1 and key_states.is_cuda and not store.static and LAYER_GRAPHS
+        if (self.layer_graphs and reads_codes and key_states.shape[2] == 1 and key_states.is_cuda and not store.static
                 and store.recent is None and store.keys is not None and not tracing()
                 and not torch.cuda.is_current_stream_capturing()):
-            store.make_static()
+            store.make_static(graphs=self.layer_graphs)
         store.append(key_states, value_states)
         if reads_codes:
             held = self.store.view()
@@ -327,6 +329,9 @@ class TQCache(DynamicCache):
     encoded tokens by these encoders (names or Encoder objects, e.g. ``(128, "tcq4-unbiased", "tcq4")`` beside
     2-bit codes) and transcodes them to its own codes as they age (a recent tier,
     :class:`~tqindex.kv.store.RecentTier`; no static mode, so no ``DecodeGraph``); a policy holds its tiers itself.
+    layer_graphs: 0 (default), or the attention shapes each compressed layer keeps recorded as CUDA graphs in eager
+    one-token steps on CUDA (the store held static, each layer's attention replayed: :func:`_compressed`; not yet
+    measured on a GPU, hence off by default; :class:`~tqindex.kv.DecodeGraph` replays whole steps).
 
     Where it differs from ``DynamicCache``, deliberately:
 
@@ -363,8 +368,10 @@ class TQCache(DynamicCache):
         sink_length: int = SINK_LENGTH,
         encode_stride: int = ENCODE_STRIDE,
         recent: tuple[int, str | Encoder, str | Encoder] | None = None,
+        layer_graphs: int = 0,
     ) -> None:
         self.backend = kernels.check_backend(backend)
+        self.layer_graphs = check_int(layer_graphs, "layer_graphs", 0)
         if recent is not None:
             if not isinstance(recent, (tuple, list)) or len(recent) != 3:
                 raise TypeError(f"recent must be None or (length, key_encoder, value_encoder), got {recent!r}")
@@ -457,7 +464,8 @@ class TQCache(DynamicCache):
             self.recent[0], _encoder(self.recent[1], dims[0], "recent key_encoder", self.backend),
             _encoder(self.recent[2], dims[1], "recent value_encoder", self.backend))
         return TQLayer(keys, values, self.residual_length, self._text_config, self.center_keys,
-                       sink_length=self.sink_length, encode_stride=self.encode_stride, recent=recent)
+                       sink_length=self.sink_length, encode_stride=self.encode_stride, recent=recent,
+                       layer_graphs=self.layer_graphs)
 
     def _policy_layers(self, dims: tuple[int, int]) -> list[CacheLayerMixin]:
         """The layers :attr:`policy` describes: its entry i for a full-attention layer i (other layer types
@@ -477,7 +485,8 @@ class TQCache(DynamicCache):
                 entry.recent_length, encoder_for(entry.recent_key_encoder, dims[0], self.backend),
                 encoder_for(entry.recent_value_encoder, dims[1], self.backend))
             layers.append(TQLayer(keys, values, entry.residual_length, self._text_config, center, scale,
-                                  sink_length=self.sink_length, encode_stride=self.encode_stride, recent=recent))
+                                  sink_length=self.sink_length, encode_stride=self.encode_stride, recent=recent,
+                                  layer_graphs=self.layer_graphs))
         return layers
 
     def _add_layers(self, layer_idx: int, key_states: Tensor, value_states: Tensor) -> None:

@@ -53,7 +53,7 @@ from __future__ import annotations
 import hashlib
 import json
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -75,8 +75,6 @@ is unused capacity (doubling leaves up to half, which a long-context cache pays 
 STATIC_HEADROOM = 1024
 """Tokens of code capacity :meth:`KVStore.make_static` keeps free beyond the valid ones (growing it reallocates
 the buffers, which a recorded CUDA graph cannot follow: it is then recorded again)."""
-LAYER_GRAPHS = 2
-"""Shapes of attention calls recorded as CUDA graphs per static store (``CompressedTokens.graphs``; 0: none)."""
 MAX_SCALE_CONDITION = 1e6
 """The largest condition number of a key scale matrix (its inverse multiplies every held key in float32)."""
 _ALL = slice(None)
@@ -698,7 +696,7 @@ class KVStore:
         """Whether the window is a fixed-capacity buffer (:meth:`make_static`)."""
         return self._static is not None
 
-    def make_static(self, headroom: int = STATIC_HEADROOM, room: int = 1) -> None:
+    def make_static(self, headroom: int = STATIC_HEADROOM, room: int = 1, graphs: int = 0) -> None:
         """Hold the window in a buffer of ``sink_length + residual_length + encode_stride`` tokens (at most
         ``headroom`` beyond those it holds: a store whose window keeps every token is a dense layer) and the
         numbers of valid codes and window tokens on the device too (``CompressedTokens.lengths``), the code
@@ -708,10 +706,12 @@ class KVStore:
         static store is given a larger buffer where its window must grow). Tokens leave the window as in the
         growing mode (attention reads the same tokens at every step), encoded by :meth:`prepare` before the step
         that would overflow it. ``crop``, ``select``, ``to`` and appends that do not fit return to the growing
-        mode (as does :meth:`make_dynamic`). ValueError on an empty store, and on a store with a recent tier (it
-        has no static mode)."""
+        mode (as does :meth:`make_dynamic`). ``graphs``: shapes of attention calls over the buffers kept recorded as
+        CUDA graphs (``CompressedTokens.graphs`` of the keys; 0: none). ValueError on an empty store, and on a
+        store with a recent tier (it has no static mode)."""
         check_int(headroom, "headroom", 1)
         check_int(room, "room", 0)
+        check_int(graphs, "graphs", 0)
         if self.recent is not None:
             raise ValueError("a KVStore with a recent tier has no static mode (CUDA-graph decoding): its tier moves "
                              "tokens to the older codes at every step")
@@ -736,7 +736,8 @@ class KVStore:
             codes.reserve(headroom)
         lengths = torch.tensor([self.compressed_length, held], dtype=torch.int64).to(buffers[0].device)
         self._key_window, self._value_window = buffers[:2]
-        self._static = _Static(lengths, held, headroom, buffers[2] if len(buffers) > 2 else None)
+        self._static = _Static(lengths, held, headroom, buffers[2] if len(buffers) > 2 else None,
+                               SearchGraphs(graphs) if graphs else None)
         self.prepare(room)
 
     def make_dynamic(self) -> None:
@@ -843,7 +844,7 @@ class _Static:
     window: int  # valid window tokens, on the host
     headroom: int  # tokens of code capacity reserved at a time
     held: Tensor | None = None  # the key window as the codes hold them (centered or scaled keys), kept as it fills
-    graphs: SearchGraphs = field(default_factory=lambda: SearchGraphs(LAYER_GRAPHS))  # attention over the buffers
+    graphs: SearchGraphs | None = None  # CUDA graphs of attention over the buffers
 
 
 def _check_scale(scale: Tensor | None, dim: int) -> Tensor | None:
