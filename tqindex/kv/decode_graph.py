@@ -15,7 +15,8 @@ A graph replays the same kernels on the same memory, so every cache layer must f
   and counts the appended token; the step is recorded again when a code buffer had to grow (every
   ``headroom`` tokens) or an edit (``crop``, ``reorder_cache``, ...) returned a store to the growing mode.
   Attention reads the same tokens as without the graph (after a ``crop``, a store may keep up to
-  ``encode_stride`` tokens more in full precision: it encodes before the step that needs the room).
+  ``encode_stride`` tokens more in full precision: it encodes before the step that needs the room; window keys
+  times a matrix key scale differ by float rounding, see ``make_static``).
 - TQCache's dense layers (``DynamicLayer``: protected layers): turned into TQLayers whose window keeps every
   token (:func:`dense_layer`: the same keys and values, in place of the DynamicLayer in ``cache.layers``),
   attended by the kernel's full-precision path instead of SDPA (the float rounding differs); their buffer

@@ -702,7 +702,9 @@ class KVStore:
         numbers of valid codes and window tokens on the device too (``CompressedTokens.lengths``), the code
         buffers with room for ``headroom`` more tokens: appends then write at positions read on the device and
         :meth:`view` hands out the same tensors at every step, so that a decode step can be recorded as a CUDA
-        graph and replayed as the store fills. Then make room for ``room`` new tokens (:meth:`prepare`; a
+        graph and replayed as the store fills (the keys as the codes hold them, centered or scaled, are kept in a
+        window buffer of their own, each token converted as it arrives: with a matrix ``key_scale``, the growing
+        store's view up to float32 rounding, the product being taken token by token). Then make room for ``room`` new tokens (:meth:`prepare`; a
         static store is given a larger buffer where its window must grow). Tokens leave the window as in the
         growing mode (attention reads the same tokens at every step), encoded by :meth:`prepare` before the step
         that would overflow it. ``crop``, ``select``, ``to`` and appends that do not fit return to the growing
