@@ -9,6 +9,7 @@ import torch
 
 import tqindex as tq
 from tqindex.kv.attention import compressed_attention, compressed_attention_ref
+from tqindex.kv.hf import _call_key
 from tqindex.kv.store import KVStore
 
 torch.set_num_threads(1)
@@ -82,12 +83,14 @@ def test_static_store_holds_what_a_growing_one_holds_at_every_step(prefill, scal
 
 
 def test_static_views_keep_their_tensors_until_the_codes_grow():
-    """A static store hands out the same buffers at every step, the lengths advancing on the device; the code
-    buffers grow by the headroom when full."""
+    """A static store hands out the same buffers at every step, the lengths advancing on the device (a recorded
+    attention call replays over them); the code buffers grow by the headroom when full (another call)."""
     store = _store(residual=4, sink=0, stride=2, scale=False)
     store.append(*_tokens(10, seed=0))
     store.make_static(headroom=3, graphs=2)
     first = store.view()
+    q = torch.randn(2, 4, 1, D)
+    call = _call_key(q, *first, 0.2, None, True)
     capacity = store.keys.capacity
     for step in range(3):
         store.append(*_tokens(1, seed=step + 1))
@@ -96,6 +99,7 @@ def test_static_views_keep_their_tensors_until_the_codes_grow():
         assert [t.window.data_ptr() for t in (keys, values)] == [t.window.data_ptr() for t in first]  # held keys too
         assert keys.codes.qdata.data_ptr() == first[0].codes.qdata.data_ptr()
         assert keys.lengths.tolist() == [store.compressed_length, store.window_length]
+        assert _call_key(q, keys, values, 0.2, None, True) == call
     k, v = _tokens(1, seed=4)
     while store.compressed_length + 2 < capacity:
         store.append(k, v)
@@ -104,6 +108,7 @@ def test_static_views_keep_their_tensors_until_the_codes_grow():
     store.append(k, v)
     assert store.keys.capacity > capacity and store.keys.capacity - store.compressed_length >= 3
     assert store.view()[0].lengths.tolist() == [store.compressed_length, store.window_length]
+    assert _call_key(q, *store.view(), 0.2, None, True) != call
     for copied in (copy.deepcopy(store), pickle.loads(pickle.dumps(store))):  # recorded graphs are not copied
         assert copied.static and copied.view()[0].graphs.limit == 2
         torch.testing.assert_close(copied.materialize(), store.materialize())

@@ -112,10 +112,16 @@ def _compressed(query: Tensor, key: CompressedTokens, value: CompressedTokens, m
     graphs = key.graphs
     if graphs is None or mask is not None or not query.is_cuda or torch.cuda.is_current_stream_capturing():
         return attend(query)[0]
+    return graphs.run(key.lengths, _call_key(query, key, value, scaling, softcap, causal), query, attend)[0]
+
+
+def _call_key(query: Tensor, key: CompressedTokens, value: CompressedTokens, scaling: float, softcap: float | None,
+              causal: bool) -> tuple:
+    """What a recorded attention call depends on besides the values in its buffers: the query's layout, the
+    options, and every buffer's address and shape (a code buffer that grew is another call)."""
     buffers = [t for tokens in (key, value) for _, t in tokens.codes.planes()] + [key.window, value.window]
-    shape = (query.shape, query.stride(), query.dtype, scaling, softcap, causal, key.sink,
-             *((t.data_ptr(), t.shape) for t in (*buffers, key.query_scale) if t is not None))
-    return graphs.run(key.lengths, shape, query, attend)[0]
+    return (query.shape, query.stride(), query.dtype, scaling, softcap, causal, key.sink,
+            *((t.data_ptr(), t.shape) for t in (*buffers, key.query_scale) if t is not None))
 
 
 def tq_attention_mask(*args: Any, **kwargs: Any) -> Tensor | None:
