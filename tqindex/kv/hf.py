@@ -103,9 +103,9 @@ def tq_attention_forward(
 def _compressed(query: Tensor, key: CompressedTokens, value: CompressedTokens, mask: Tensor | None, scaling: float,
                 softcap: float | None, causal: bool) -> Tensor:
     """:func:`compressed_attention`; over a static store's buffers on CUDA (``key.graphs``: eager decode steps, see
-    :meth:`TQLayer.update`) replayed from a CUDA graph once the same call has come ``graphs.RECORD_AT`` times: one launch in
-    place of the host work of three or four kernels and their planning (eagerly 0.36-0.39 ms per layer and step on
-    an H100 machine, Llama-8B shape, batch 1 x 32k)."""
+    :meth:`TQLayer.update`) replayed from a CUDA graph once the same call has come ``graphs.RECORD_AT`` times: one
+    launch in place of the host work of three or four kernels and their planning (eagerly 0.36-0.39 ms per layer
+    and step on an H100 machine, Llama-8B shape, batch 1 x 32k)."""
     def attend(q: Tensor) -> tuple[Tensor]:
         return compressed_attention(q, key, value, mask, scaling, softcap=softcap, causal=causal),
 

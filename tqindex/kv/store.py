@@ -704,13 +704,13 @@ class KVStore:
         :meth:`view` hands out the same tensors at every step, so that a decode step can be recorded as a CUDA
         graph and replayed as the store fills (the keys as the codes hold them, centered or scaled, are kept in a
         window buffer of their own, each token converted as it arrives: with a matrix ``key_scale``, the growing
-        store's view up to float32 rounding, the product being taken token by token). Then make room for ``room`` new tokens (:meth:`prepare`; a
-        static store is given a larger buffer where its window must grow). Tokens leave the window as in the
-        growing mode (attention reads the same tokens at every step), encoded by :meth:`prepare` before the step
-        that would overflow it. ``crop``, ``select``, ``to`` and appends that do not fit return to the growing
-        mode (as does :meth:`make_dynamic`). ``graphs``: shapes of attention calls over the buffers kept recorded as
-        CUDA graphs (``CompressedTokens.graphs`` of the keys; 0: none). ValueError on an empty store, and on a
-        store with a recent tier (it has no static mode)."""
+        store's view up to float32 rounding, the product being taken token by token). Then make room for
+        ``room`` new tokens (:meth:`prepare`; a static store is given a larger buffer where its window must grow).
+        Tokens leave the window as in the growing mode (attention reads the same tokens at every step), encoded by
+        :meth:`prepare` before the step that would overflow it. ``crop``, ``select``, ``to`` and appends that do
+        not fit return to the growing mode (as does :meth:`make_dynamic`). ``graphs``: shapes of attention calls
+        over the buffers kept recorded as CUDA graphs (``CompressedTokens.graphs`` of the keys; 0: none).
+        ValueError on an empty store, and on a store with a recent tier (it has no static mode)."""
         check_int(headroom, "headroom", 1)
         check_int(room, "room", 0)
         check_int(graphs, "graphs", 0)
