@@ -234,13 +234,13 @@ class TQLayer(CacheLayerMixin):
             store.make_static(graphs=self.layer_graphs)
         store.append(key_states, value_states)
         if reads_codes:
-            held = self.store.view()
+            held = store.view()
         else:
             if not tracing():
                 logger.warning_once(_decoding_warning(self.config))
-            held = self.store.materialize(key_states.dtype)
+            held = store.materialize(key_states.dtype)
         if self.settles:  # the chunk stays in full precision in ``held`` only, for this step's attention
-            self.store.settle()
+            store.settle()
         return held
 
     def get_mask_sizes(self, query_length: int | Tensor) -> tuple[int, int]:

@@ -627,28 +627,27 @@ class KVStore:
         to attention as the queries' ``query_scale``."""
         if self.keys is None:
             raise ValueError("the KVStore is empty: append tokens before reading it")
-        static = self._static
-        if static is None:
+        if self._static is None:
             return self._tokens(self.keys.view(), self.values.view(), self._key_window, self._value_window)
         # static: the whole buffers, the valid lengths on the device (the same tensors at every step)
-        held = static.held
-        return self._tokens(self.keys.data, self.values.data, self._key_window if held is None else held,
-                            self._value_window, static.lengths, held is not None, static.graphs)
+        return self._tokens(self.keys.data, self.values.data, self._key_window, self._value_window, self._static)
 
     def _tokens(self, key_codes: Codes, value_codes: Codes, key_window: Tensor, value_window: Tensor,
-                lengths: Tensor | None = None, keys_held: bool = False, graphs: SearchGraphs | None = None
-                ) -> tuple[CompressedTokens, CompressedTokens]:
+                static: _Static | None = None) -> tuple[CompressedTokens, CompressedTokens]:
         """(keys, values) CompressedTokens of these codes and windows, keys as the codes hold them (:meth:`view`;
-        ``keys_held``: key_window holds them so already); the recent tier's tokens decoded into the windows after
-        their sinks."""
+        a static store's ``static`` state: its lengths, its buffer of held keys, its graphs); the recent tier's tokens
+        decoded into the windows after their sinks."""
         sink = self.sink_held
-        if self.recent_length:  # (never static)
+        lengths, graphs = (None, None) if static is None else (static.lengths, static.graphs)
+        if static is not None and static.held is not None:
+            key_window = static.held
+        elif self.recent_length:  # (never static)
             held = [self._held_keys(key_window), value_window]
             for i, (side, buffer) in enumerate(((self.recent.key_encoder, self.recent_keys),
                                                 (self.recent.value_encoder, self.recent_values))):
                 held[i] = in_order(held[i].float(), side.decode(buffer.view()).float(), sink)
             key_window, value_window = held[0].to(key_window.dtype), held[1].to(value_window.dtype)
-        elif not keys_held and (self.key_offset is not None or self.key_scale is not None):
+        elif self.key_offset is not None or self.key_scale is not None:
             key_window = self._held_keys(key_window).to(key_window.dtype)
         scale = self.key_scale
         if scale is not None:
@@ -726,20 +725,20 @@ class KVStore:
         self.settle()  # the window now holds fewer than encode_stride tokens beyond its sinks and residual_length
         held = self.window_length
         capacity = min(self.sink_length + self.residual_length + self.encode_stride, held + max(headroom, room))
-        windows = [self._key_window, self._value_window]
-        if self.key_offset is not None or self.key_scale is not None:
-            windows.append(self._held_keys(self._key_window).to(self._key_window.dtype))
-        buffers = []
-        for window in windows:
+
+        def fixed(window: Tensor) -> Tensor:  # window in a buffer of the capacity
             buffer = window.new_empty(*window.shape[:2], capacity, window.shape[3])
             buffer[:, :, :held] = window
-            buffers.append(buffer)
+            return buffer
+
+        held_keys = None
+        if self.key_offset is not None or self.key_scale is not None:
+            held_keys = fixed(self._held_keys(self._key_window).to(self._key_window.dtype))
+        self._key_window, self._value_window = fixed(self._key_window), fixed(self._value_window)
         for codes in (self.keys, self.values):
             codes.reserve(headroom)
-        lengths = torch.tensor([self.compressed_length, held], dtype=torch.int64).to(buffers[0].device)
-        self._key_window, self._value_window = buffers[:2]
-        self._static = _Static(lengths, held, headroom, buffers[2] if len(buffers) > 2 else None,
-                               SearchGraphs(graphs) if graphs else None)
+        lengths = torch.tensor([self.compressed_length, held], dtype=torch.int64).to(self._key_window.device)
+        self._static = _Static(lengths, held, headroom, held_keys, SearchGraphs(graphs) if graphs else None)
         self.prepare(room)
 
     def make_dynamic(self) -> None:
@@ -771,7 +770,7 @@ class KVStore:
                     codes.reserve(old + static.headroom)
                 codes.append(new)
             rest = static.window - sink - old
-            for window in self._static_windows():
+            for window in [w for w in (self._key_window, self._value_window, static.held) if w is not None]:
                 window[:, :, sink : sink + rest] = window[:, :, sink + old : static.window].clone()
             static.window = sink + rest
             static.lengths[0].fill_(self.compressed_length)
@@ -806,11 +805,6 @@ class KVStore:
             return self._key_window, self._value_window
         n = self._static.window
         return self._key_window[:, :, :n], self._value_window[:, :, :n]
-
-    def _static_windows(self) -> list[Tensor]:
-        """A static store's window buffers: keys, values, and the keys as the codes hold them where it has them."""
-        held = self._static.held
-        return [self._key_window, self._value_window, *(() if held is None else (held,))]
 
     # -- helpers -----------------------------------------------------------------------------------
     def _buffers(self) -> list[CodesBuffer]:
