@@ -28,8 +28,9 @@ TQCache presets: window 128, the first and last 2 layers dense; ``-p0`` (e.g. ``
 layers. ``static``: transformers' StaticCache (bf16, sized for the row's tokens). A ``+graph`` suffix
 (``tq4+graph``, ``tq4-p0+graph``, ``static+graph``) runs the decode steps through ``tqindex.kv.DecodeGraph``:
 each step replayed from a CUDA graph (TQCache's dense layers then read by the kernel's full-precision path);
-a ``+layers`` suffix (``tq4+layers``) decodes eagerly with ``TQCache(..., layer_graphs=2)``: each compressed layer's
-attention replayed from a CUDA graph of its own.
+without it the steps run eagerly, with TQCache's defaults (each compressed layer's attention replayed from a CUDA
+graph of its own: ``layer_graphs``); a ``+nolayers`` suffix (``tq4+nolayers``) decodes eagerly with
+``TQCache(..., layer_graphs=0)``: every launch of every step made by the host.
 
 Results: ``gpu_attention.json`` (rewritten after every measurement) and ``gpu_attention.md`` in ``--out``.
 
@@ -167,8 +168,8 @@ def make_cache(kind: str, model: Any, tokens: int) -> Any:
     ``tokens`` tokens per row."""
     from transformers import DynamicCache, StaticCache
 
-    layer_graphs = 2 if kind.endswith("+layers") else 0
-    kind = kind.removesuffix("+graph").removesuffix("+layers")
+    graphs = {"layer_graphs": 0} if kind.endswith("+nolayers") else {}
+    kind = kind.removesuffix("+graph").removesuffix("+nolayers")
     if kind in ("dynamic", "static"):
         model.set_attn_implementation("sdpa")
         if kind == "static":
@@ -176,8 +177,7 @@ def make_cache(kind: str, model: Any, tokens: int) -> Any:
         return DynamicCache(config=model.config)
     model.set_attn_implementation("tqindex")
     preset, _, dense = kind.partition("-p")  # "tq4-p0": no dense layers
-    return TQCache(model.config, *PRESETS[preset], residual_length=128, protected_layers=int(dense or 2),
-                   layer_graphs=layer_graphs)
+    return TQCache(model.config, *PRESETS[preset], residual_length=128, protected_layers=int(dense or 2), **graphs)
 
 
 def held_bytes(cache: Any) -> int:
@@ -373,17 +373,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--caches", default="dynamic,tq4,tq4-p0,k8v4,tq3",
                    help="caches of the end-to-end rows: dynamic, static, or a TQCache preset (" + ", ".join(PRESETS)
                    + ") with an optional -pN (N dense layers at each end; default 2); a +graph suffix decodes "
-                   "through DecodeGraph (CUDA graphs), a +layers suffix eagerly with TQCache's layer_graphs=2")
+                   "through DecodeGraph (CUDA graphs), a +nolayers suffix eagerly with TQCache's layer_graphs=0")
     p.add_argument("--sdpa", choices=_sdpa.BACKENDS, default="flash",
                    help="SDPA backends of the end-to-end rows (DynamicCache, TQCache's dense layers): flash (flash, "
                    "memory-efficient for masked prefill chunks) or torch's default choice")
     p.add_argument("--restart", action="store_true", help="measure afresh instead of continuing --out's run")
     args = p.parse_args(argv)
     unknown = {c for c in args.caches.split(",") if not re.fullmatch(
-        f"(dynamic|static\\+graph|({'|'.join(PRESETS)})(-p[0-9]+)?(\\+graph|\\+layers)?)", c)}
+        f"(dynamic|static\\+graph|({'|'.join(PRESETS)})(-p[0-9]+)?(\\+graph|\\+nolayers)?)", c)}
     if unknown:
         p.error(f"unknown caches {', '.join(sorted(unknown))} (dynamic, static+graph, or a preset "
-                f"{', '.join(PRESETS)} with an optional -pN: N dense layers at each end, and +graph or +layers)")
+                f"{', '.join(PRESETS)} with an optional -pN: N dense layers at each end, and +graph or +nolayers)")
     if not torch.cuda.is_available():
         raise SystemExit("gpu_attention.py needs a CUDA GPU")
     device = torch.device("cuda")

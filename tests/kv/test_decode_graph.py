@@ -9,6 +9,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from tiny import CACHE_KW, llama_config, prompt, seeded
 from tqindex import kernels
 from tqindex.kv import DecodeGraph, TQCache, TQLayer
+from tqindex.kv.hf import LAYER_GRAPHS
 from tqindex.kernels.graphs import _Graph
 
 torch.set_num_threads(1)
@@ -23,8 +24,8 @@ def _model(device: torch.device = torch.device("cpu"), dtype: torch.dtype = torc
     return model
 
 
-def _cache(model, backend: str | None = None, protected: int = 0, values: str = "tq3", layer_graphs: int = 0
-           ) -> TQCache:
+def _cache(model, backend: str | None = None, protected: int = 0, values: str = "tq3",
+           layer_graphs: int = LAYER_GRAPHS) -> TQCache:
     return TQCache(model.config, "tq4", values, residual_length=4, protected_layers=protected, sink_length=2,
                    encode_stride=3, backend=backend, layer_graphs=layer_graphs)
 
@@ -158,7 +159,8 @@ def test_replayed_graphs_give_the_logits_of_growing_steps_on_cuda():
 
 def test_layer_graphs_are_for_cuda_steps():
     model = _model()
-    cache = _cache(model, layer_graphs=2)
+    cache = _cache(model)
+    assert LAYER_GRAPHS and all(layer.layer_graphs == LAYER_GRAPHS for layer in cache.layers)  # on by default
     _decode(model, cache, prompt(2, 20), 3, None)
     assert not any(layer.store.static for layer in cache.layers)  # on the CPU the stores keep growing
     with pytest.raises(ValueError, match="layer_graphs"):
@@ -170,20 +172,37 @@ def test_layer_graphs_are_for_cuda_steps():
 def test_eager_steps_on_cuda_replay_each_layers_attention(values, dim):
     model = _model(CUDA, torch.float16, head_dim=dim)
     ids = prompt(2, 250).to(CUDA)
-    growing = _cache(model, values=values)
+    growing = _cache(model, values=values, layer_graphs=0)
     want = _decode(model, growing, ids, 40, None)
-    cache = _cache(model, values=values, layer_graphs=2)
+    cache = _cache(model, values=values)
     got = _decode(model, cache, ids, 40, None)
     stores = [layer.store for layer in cache.layers]
     assert all(store.static for store in stores) and not any(layer.store.static for layer in growing.layers)
-    for store in stores:  # recorded once at the third step, replayed since (one shape, the same buffers)
+    for store in stores:  # recorded once at its third call, replayed since (one shape, the same buffers)
         assert [type(g) for g in store._static.graphs._graphs.values()] == [_Graph]
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
-    cache.crop(-5)  # edits return to growing stores; the next steps go static again
+    cache.crop(-5)  # edits return to growing stores; the second step after one goes static again
     assert not any(store.static for store in stores)
-    _decode(model, cache, ids[:, -1:], 2, None)
+    _decode(model, cache, ids[:, -1:], 0, None)
+    assert not any(store.static for store in stores)
+    _decode(model, cache, ids[:, -1:], 1, None)
     assert all(store.static for store in stores)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_steps_with_edits_between_them_keep_growing_stores():
+    """Beam search reorders the cache between steps: a static store would go back to growing at each reorder, its
+    buffers copied to fixed ones at each step for nothing."""
+    model = _model(CUDA, torch.float16)
+    cache = _cache(model)
+    _decode(model, cache, prompt(2, 20).to(CUDA), 0, None)
+    token = torch.ones(2, 1, dtype=torch.long, device=CUDA)
+    with torch.no_grad():
+        for _ in range(4):
+            model(input_ids=token, **{CACHE_KW: cache})
+            assert not any(layer.store.static for layer in cache.layers)
+            cache.reorder_cache(torch.tensor([1, 0], device=CUDA))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

@@ -13,8 +13,8 @@ Two attention modes, chosen per call from the model's ``config._attn_implementat
   :func:`tq_attention_forward`, which attends from the codes (:func:`compressed_attention`); plain
   tensors from other layers and caches go to transformers' sdpa. Inside ``torch.compile`` or
   ``torch.export`` it attends over the decoded codes instead (:func:`compressed_attention_ref`, the same
-  result up to float rounding), since the codes path reads the queries on the host. With
-  ``TQCache(..., layer_graphs=n)`` one-token steps on CUDA hold each layer's window in fixed buffers
+  result up to float rounding), since the codes path reads the queries on the host. By default
+  (``TQCache(..., layer_graphs=2)``) eager one-token steps on CUDA hold each layer's window in fixed buffers
   (:meth:`~tqindex.kv.store.KVStore.make_static`) and replay its attention from CUDA graphs of its own
   (:func:`_compressed`), so that eager decoding skips the host time of attention's several launches
   (:class:`~tqindex.kv.DecodeGraph` replays whole steps).
@@ -56,6 +56,11 @@ from .store import CompressedTokens, KVStore, RecentTier, encoder_from_key, enco
 
 ATTN_IMPLEMENTATION = "tqindex"
 """Name of the attention implementation registered with transformers."""
+LAYER_GRAPHS = 2
+"""Default ``layer_graphs``: the attention shapes each compressed layer keeps recorded as CUDA graphs (one-token steps
+over a static store have one shape; the second allows for a model that calls a layer's attention twice a step)."""
+STATIC_AFTER = 2
+"""With ``layer_graphs``, the consecutive one-token CUDA steps (no edit between them) that make a layer's store static."""
 _PRESET = re.compile(r"k(\d)v(\d)")
 logger = logging.get_logger(__name__)
 
@@ -85,9 +90,8 @@ def tq_attention_forward(
             if tracing():
                 out = compressed_attention_ref(query, key, value, attention_mask, scaling, softcap=softcap,
                                                causal=causal)
-            else:
-                out = _compressed(query, key, value, attention_mask, scaling, softcap, causal)
-            return out.transpose(1, 2).contiguous(), None
+                return out.transpose(1, 2).contiguous(), None
+            return _compressed(query, key, value, attention_mask, scaling, softcap, causal), None
         query = _scaled_queries(query, key).to(query.dtype)  # the window holds keys as the codes would
         key, value = key.window, value.window  # nothing compressed yet (prefill): all full precision
     if softcap is None:
@@ -102,12 +106,13 @@ def tq_attention_forward(
 
 def _compressed(query: Tensor, key: CompressedTokens, value: CompressedTokens, mask: Tensor | None, scaling: float,
                 softcap: float | None, causal: bool) -> Tensor:
-    """:func:`compressed_attention`; over a static store's buffers on CUDA (``key.graphs``: eager decode steps, see
-    :meth:`TQLayer.update`) replayed from a CUDA graph once the same call has come ``graphs.RECORD_AT`` times: one
-    launch in place of the host work of three or four kernels and their planning (eagerly 0.36-0.39 ms per layer
-    and step on an H100 machine, Llama-8B shape, batch 1 x 32k)."""
+    """:func:`compressed_attention` transposed to [B, Q, Hq, Dv] (contiguous); over a static store's buffers on CUDA
+    (``key.graphs``: eager decode steps, see :meth:`TQLayer.update`) replayed from a CUDA graph once the same call has
+    come ``graphs.RECORD_AT`` times: one launch in place of the host work of three or four kernels and their planning
+    (eagerly 0.36-0.39 ms per layer and step on an H100 machine, Llama-8B shape, batch 1 x 32k)."""
     def attend(q: Tensor) -> tuple[Tensor]:
-        return compressed_attention(q, key, value, mask, scaling, softcap=softcap, causal=causal),
+        out = compressed_attention(q, key, value, mask, scaling, softcap=softcap, causal=causal)
+        return out.transpose(1, 2).contiguous(),
 
     graphs = key.graphs
     if graphs is None or mask is not None or not query.is_cuda or torch.cuda.is_current_stream_capturing():
@@ -177,7 +182,7 @@ class TQLayer(CacheLayerMixin):
         sink_length: int = 0,
         encode_stride: int = 1,
         recent: RecentTier | None = None,
-        layer_graphs: int = 0,
+        layer_graphs: int = LAYER_GRAPHS,
     ) -> None:
         # CacheLayerMixin.__init__ is not called: it assigns ``keys`` / ``values``, which are read-only here.
         self.is_initialized = False
@@ -186,6 +191,7 @@ class TQLayer(CacheLayerMixin):
         self.config = config
         self.settles = True  # encode the tokens beyond the window after each update (KVStore.settle)
         self.layer_graphs = layer_graphs  # attention shapes kept as CUDA graphs in eager one-token steps (update)
+        self._steps = 0  # one-token CUDA steps since the store was last edited (crop, select, moves)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "TQLayer":
         """Copy the stored tokens; the copy shares the encoders and follows the same model config."""
@@ -222,8 +228,9 @@ class TQLayer(CacheLayerMixin):
         self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any
     ) -> tuple[Tensor, Tensor] | tuple[CompressedTokens, CompressedTokens]:
         """Store key/value states [B, H, T, D]; return what the attention function reads. With ``layer_graphs``,
-        one-token steps on CUDA make the store static first (:meth:`KVStore.make_static`, where it can be) so that
-        their attention is replayed from CUDA graphs (:func:`_compressed`)."""
+        the second of consecutive one-token steps on CUDA makes the store static (:meth:`KVStore.make_static`, where
+        it can be) so that their attention is replayed from CUDA graphs (:func:`_compressed`); edits between steps
+        (beam reorders, crops, offloading) keep it growing, as each would return it to the growing mode."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         reads_codes = getattr(self.config, "_attn_implementation", None) == ATTN_IMPLEMENTATION
@@ -231,7 +238,9 @@ class TQLayer(CacheLayerMixin):
         if (self.layer_graphs and reads_codes and key_states.shape[2] == 1 and key_states.is_cuda and not store.static
                 and store.recent is None and store.keys is not None and not tracing()
                 and not torch.cuda.is_current_stream_capturing()):
-            store.make_static(graphs=self.layer_graphs)
+            self._steps += 1
+            if self._steps >= STATIC_AFTER:
+                store.make_static(graphs=self.layer_graphs)
         store.append(key_states, value_states)
         if reads_codes:
             held = store.view()
@@ -261,23 +270,29 @@ class TQLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.store = self.store.empty_copy()
         self.is_initialized = False
+        self._steps = 0
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove tokens as ``DynamicLayer.crop`` of the installed transformers does (a negative count
         removes that many; the meaning of 0 and positive values changed within 5.x)."""
         self.store.crop(_dynamic_crop_length(self.get_seq_length(), tokens_to_remove))
+        self._steps = 0
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.store.select(beam_idx)
+        self._steps = 0
 
     def batch_select_indices(self, indices: Tensor) -> None:
         self.store.select(indices)
+        self._steps = 0
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self.store.repeat_interleave(repeats)
+        self._steps = 0
 
     def offload(self) -> None:
         """Move the codes and the window to the CPU (non-blocking)."""
+        self._steps = 0
         if self.is_initialized:
             self.store.to("cpu", non_blocking=True)
 
@@ -335,9 +350,10 @@ class TQCache(DynamicCache):
     encoded tokens by these encoders (names or Encoder objects, e.g. ``(128, "tcq4-unbiased", "tcq4")`` beside
     2-bit codes) and transcodes them to its own codes as they age (a recent tier,
     :class:`~tqindex.kv.store.RecentTier`; no static mode, so no ``DecodeGraph``); a policy holds its tiers itself.
-    layer_graphs: 0 (default), or the attention shapes each compressed layer keeps recorded as CUDA graphs in eager
-    one-token steps on CUDA (the store held static, each layer's attention replayed: :func:`_compressed`; not yet
-    measured on a GPU, hence off by default; :class:`~tqindex.kv.DecodeGraph` replays whole steps).
+    layer_graphs: the attention shapes each compressed layer keeps recorded as CUDA graphs in eager one-token steps on
+    CUDA (from the second of consecutive steps with no edit between them, the store held static and each layer's
+    attention replayed: :func:`_compressed`; 0: none, every step's attention launched anew;
+    :class:`~tqindex.kv.DecodeGraph` replays whole steps).
 
     Where it differs from ``DynamicCache``, deliberately:
 
@@ -374,7 +390,7 @@ class TQCache(DynamicCache):
         sink_length: int = SINK_LENGTH,
         encode_stride: int = ENCODE_STRIDE,
         recent: tuple[int, str | Encoder, str | Encoder] | None = None,
-        layer_graphs: int = 0,
+        layer_graphs: int = LAYER_GRAPHS,
     ) -> None:
         self.backend = kernels.check_backend(backend)
         self.layer_graphs = check_int(layer_graphs, "layer_graphs", 0)
