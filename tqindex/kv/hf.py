@@ -87,10 +87,6 @@ def tq_attention_forward(
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     if isinstance(key, CompressedTokens):
         if key.codes.shape[2] > 0 or key.lengths is not None:
-            if tracing():
-                out = compressed_attention_ref(query, key, value, attention_mask, scaling, softcap=softcap,
-                                               causal=causal)
-                return out.transpose(1, 2).contiguous(), None
             return _compressed(query, key, value, attention_mask, scaling, softcap, causal), None
         query = _scaled_queries(query, key).to(query.dtype)  # the window holds keys as the codes would
         key, value = key.window, value.window  # nothing compressed yet (prefill): all full precision
@@ -106,16 +102,21 @@ def tq_attention_forward(
 
 def _compressed(query: Tensor, key: CompressedTokens, value: CompressedTokens, mask: Tensor | None, scaling: float,
                 softcap: float | None, causal: bool) -> Tensor:
-    """:func:`compressed_attention` transposed to [B, Q, Hq, Dv] (contiguous); over a static store's buffers on CUDA
-    (``key.graphs``: eager decode steps, see :meth:`TQLayer.update`) replayed from a CUDA graph once the same call has
-    come ``graphs.RECORD_AT`` times: one launch in place of the host work of three or four kernels and their planning
-    (eagerly 0.36-0.39 ms per layer and step on an H100 machine, Llama-8B shape, batch 1 x 32k)."""
+    """:func:`compressed_attention` (while tracing, :func:`compressed_attention_ref`) transposed to [B, Q, Hq, Dv]
+    (contiguous); over a static store's buffers on CUDA (``key.graphs``: eager decode steps, see
+    :meth:`TQLayer.update`) replayed from a CUDA graph once the same call has come ``graphs.RECORD_AT`` times: one
+    launch in place of the host work of three or four kernels and their planning (eagerly 0.36-0.39 ms per layer
+    and step on an H100 machine, Llama-8B shape, batch 1 x 32k)."""
+    traced = tracing()
+    attention = compressed_attention_ref if traced else compressed_attention
+
     def attend(q: Tensor) -> tuple[Tensor]:
-        out = compressed_attention(q, key, value, mask, scaling, softcap=softcap, causal=causal)
+        out = attention(q, key, value, mask, scaling, softcap=softcap, causal=causal)
         return out.transpose(1, 2).contiguous(),
 
     graphs = key.graphs
-    if graphs is None or mask is not None or not query.is_cuda or torch.cuda.is_current_stream_capturing():
+    if (graphs is None or traced or mask is not None or not query.is_cuda
+            or torch.cuda.is_current_stream_capturing()):
         return attend(query)[0]
     return graphs.run(key.lengths, _call_key(query, key, value, scaling, softcap, causal), query, attend)[0]
 
