@@ -28,9 +28,9 @@ TQCache presets: window 128, the first and last 2 layers dense; ``-p0`` (e.g. ``
 layers. ``static``: transformers' StaticCache (bf16, sized for the row's tokens). A ``+graph`` suffix
 (``tq4+graph``, ``tq4-p0+graph``, ``static+graph``) runs the decode steps through ``tqindex.kv.DecodeGraph``:
 each step replayed from a CUDA graph (TQCache's dense layers then read by the kernel's full-precision path);
-without it the steps run eagerly, with TQCache's defaults (each compressed layer's attention replayed from a CUDA
-graph of its own: ``layer_graphs``); a ``+nolayers`` suffix (``tq4+nolayers``) decodes eagerly with
-``TQCache(..., layer_graphs=0)``: every launch of every step made by the host.
+without it the steps run eagerly, with TQCache's defaults (``layer_graphs``: each layer's attention replayed from a
+CUDA graph of its own, the dense layers filled in place); a ``+nolayers`` suffix (``tq4+nolayers``) decodes eagerly
+with ``TQCache(..., layer_graphs=0)``: every launch of every step made by the host, dense layers concatenated.
 
 Results: ``gpu_attention.json`` (rewritten after every measurement) and ``gpu_attention.md`` in ``--out``.
 

@@ -9,7 +9,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from tiny import CACHE_KW, llama_config, prompt, seeded
 from tqindex import kernels
 from tqindex.kv import DecodeGraph, TQCache, TQLayer
-from tqindex.kv.hf import LAYER_GRAPHS
+from tqindex.kv.hf import KEEP_ALL, LAYER_GRAPHS
 from tqindex.kernels.graphs import _Graph
 
 torch.set_num_threads(1)
@@ -170,14 +170,18 @@ def test_layer_graphs_are_for_cuda_steps():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("values, dim", [("tq3", 32), ("tq4", 64)])  # Triton kernels alone; the CUDA kernel too
 def test_eager_steps_on_cuda_replay_each_layers_attention(values, dim):
+    """Compressed layers (1, 2) and dense ones (0, 3: turned into layers that keep every token at the first step)."""
     model = _model(CUDA, torch.float16, head_dim=dim)
     ids = prompt(2, 250).to(CUDA)
-    growing = _cache(model, values=values, layer_graphs=0)
+    growing = _cache(model, values=values, protected=1, layer_graphs=0)
     want = _decode(model, growing, ids, 40, None)
-    cache = _cache(model, values=values)
+    cache = _cache(model, values=values, protected=1)
     got = _decode(model, cache, ids, 40, None)
+    assert [type(layer) for layer in growing.layers] == [DynamicLayer, TQLayer, TQLayer, DynamicLayer]
+    assert all(type(layer) is TQLayer for layer in cache.layers)
+    assert [layer.store.residual_length == KEEP_ALL for layer in cache.layers] == [True, False, False, True]
     stores = [layer.store for layer in cache.layers]
-    assert all(store.static for store in stores) and not any(layer.store.static for layer in growing.layers)
+    assert all(store.static for store in stores) and not any(layer.store.static for layer in growing.layers[1:3])
     for store in stores:  # recorded once at its third call, replayed since (one shape, the same buffers)
         assert [type(g) for g in store._static.graphs._graphs.values()] == [_Graph]
     for a, b in zip(got, want):

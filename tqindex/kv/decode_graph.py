@@ -18,7 +18,8 @@ A graph replays the same kernels on the same memory, so every cache layer must f
   ``encode_stride`` tokens more in full precision: it encodes before the step that needs the room; window keys
   times a matrix key scale differ by float rounding, see ``make_static``).
 - TQCache's dense layers (``DynamicLayer``: protected layers): turned into TQLayers whose window keeps every
-  token (:func:`dense_layer`: the same keys and values, in place of the DynamicLayer in ``cache.layers``),
+  token (:func:`~tqindex.kv.hf.dense_layer`: the same keys and values, in place of the DynamicLayer in
+  ``cache.layers``, as TQCache's eager steps on CUDA do with ``layer_graphs``),
   attended by the kernel's full-precision path instead of SDPA (the float rounding differs); their buffer
   leaves ``headroom`` tokens free, and the step is recorded again when it fills.
 - transformers' ``StaticLayer`` (``StaticCache``): its update writes at positions on the device.
@@ -33,7 +34,6 @@ the stores), not for a StaticCache (its length is counted here).
 from __future__ import annotations
 
 import inspect
-from functools import lru_cache
 from typing import Any
 
 import torch
@@ -41,12 +41,8 @@ from torch import Tensor
 from transformers.cache_utils import DynamicLayer, StaticLayer
 
 from ..checks import check_int
-from ..encoder import Encoder, make_encoder
-from .hf import ATTN_IMPLEMENTATION, TQCache, TQLayer
+from .hf import ATTN_IMPLEMENTATION, TQCache, TQLayer, dense_layer
 from .store import STATIC_HEADROOM, KVStore
-
-KEEP_ALL = 1 << 62
-"""``residual_length`` of a dense layer's store (:func:`dense_layer`): no token ever leaves its window."""
 
 
 class DecodeGraph:
@@ -166,22 +162,6 @@ class DecodeGraph:
         graph.replay()
         self._graph, self._key = graph, key
         self.recordings += 1
-
-
-def dense_layer(layer: DynamicLayer, config: Any = None) -> TQLayer:
-    """A TQLayer holding a DynamicLayer's keys and values [B, H, T, D] in a window that keeps every token
-    (nothing is ever encoded: the same values, read by the attention kernel's full-precision path); its
-    encoders only give the kernel its tables. ``config``: the model's text config, as for TQLayer."""
-    keys, values = layer.keys, layer.values
-    dense = TQLayer(_encoder(keys.shape[-1]), _encoder(values.shape[-1]), KEEP_ALL, config)
-    dense.lazy_initialization(keys, values)
-    dense.store.append(keys, values)
-    return dense
-
-
-@lru_cache(maxsize=None)
-def _encoder(dim: int) -> Encoder:
-    return make_encoder("tq4", dim)
 
 
 def _describe(x: Any) -> str:

@@ -17,7 +17,7 @@ Two attention modes, chosen per call from the model's ``config._attn_implementat
   (``TQCache(..., layer_graphs=2)``) eager one-token steps on CUDA hold each layer's window in fixed buffers
   (:meth:`~tqindex.kv.store.KVStore.make_static`) and replay its attention from CUDA graphs of its own
   (:func:`_compressed`), so that eager decoding skips the host time of attention's several launches
-  (:class:`~tqindex.kv.DecodeGraph` replays whole steps).
+  (:class:`~tqindex.kv.DecodeGraph` replays whole steps); dense layers then become :func:`dense_layer`.
 - any other implementation: a ``TQLayer`` returns the decoded keys/values as dense tensors, so every
   attention implementation works, at the cost of decoding the whole history at every step.
 
@@ -59,6 +59,8 @@ ATTN_IMPLEMENTATION = "tqindex"
 LAYER_GRAPHS = 2
 """Default ``layer_graphs``: the attention shapes each compressed layer keeps recorded as CUDA graphs (one-token steps
 over a static store have one shape; the second allows for a model that calls a layer's attention twice a step)."""
+KEEP_ALL = 1 << 62
+"""``residual_length`` of a dense layer's store (:func:`dense_layer`): no token ever leaves its window."""
 STATIC_AFTER = 2
 """With ``layer_graphs``, the consecutive one-token CUDA steps (no edit between them) that make a layer's store static."""
 _PRESET = re.compile(r"k(\d)v(\d)")
@@ -128,6 +130,13 @@ def _call_key(query: Tensor, key: CompressedTokens, value: CompressedTokens, sca
     buffers = [t for tokens in (key, value) for _, t in tokens.codes.planes()] + [key.window, value.window]
     return (query.shape, query.stride(), query.dtype, scaling, softcap, causal, key.sink,
             *((t.data_ptr(), t.shape) for t in (*buffers, key.query_scale) if t is not None))
+
+
+def _graphed_step(config: PreTrainedConfig | None, key_states: Tensor) -> bool:
+    """Whether an update of key states [B, H, T, D] is an eager one-token CUDA step attended from the codes, whose
+    attention ``layer_graphs`` replays (:meth:`TQLayer.update`)."""
+    return (getattr(config, "_attn_implementation", None) == ATTN_IMPLEMENTATION and key_states.shape[2] == 1
+            and key_states.is_cuda and not tracing() and not torch.cuda.is_current_stream_capturing())
 
 
 def tq_attention_mask(*args: Any, **kwargs: Any) -> Tensor | None:
@@ -236,9 +245,8 @@ class TQLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         reads_codes = getattr(self.config, "_attn_implementation", None) == ATTN_IMPLEMENTATION
         store = self.store
-        if (self.layer_graphs and reads_codes and key_states.shape[2] == 1 and key_states.is_cuda and not store.static
-                and store.recent is None and store.keys is not None and not tracing()
-                and not torch.cuda.is_current_stream_capturing()):
+        if (self.layer_graphs and not store.static and store.recent is None and store.keys is not None
+                and _graphed_step(self.config, key_states)):
             self._steps += 1
             if self._steps >= STATIC_AFTER:
                 store.make_static(graphs=self.layer_graphs)
@@ -353,13 +361,18 @@ class TQCache(DynamicCache):
     :class:`~tqindex.kv.store.RecentTier`; no static mode, so no ``DecodeGraph``); a policy holds its tiers itself.
     layer_graphs: the attention shapes each compressed layer keeps recorded as CUDA graphs in eager one-token steps on
     CUDA (from the second of consecutive steps with no edit between them, the store held static and each layer's
-    attention replayed: :func:`_compressed`; 0: none, every step's attention launched anew;
-    :class:`~tqindex.kv.DecodeGraph` replays whole steps).
+    attention replayed: :func:`_compressed`; dense layers become :func:`dense_layer` at the first such step, filled
+    in place and replayed the same way; 0: none, every step's attention launched anew, dense layers grown by
+    concatenation as ``DynamicCache`` grows them; :class:`~tqindex.kv.DecodeGraph` replays whole steps).
 
     Where it differs from ``DynamicCache``, deliberately:
 
     - ``layers[i].keys`` / ``.values`` of a compressed layer are decoded on every access (see
       :class:`TQLayer`); to inspect memory use :meth:`nbytes`.
+    - With ``layer_graphs`` (the default), eager one-token steps on CUDA turn dense layers into TQLayers that keep
+      every token (:func:`dense_layer`: the same values; attended by the kernel's full-precision path, so the float
+      rounding differs from SDPA's), as :class:`~tqindex.kv.DecodeGraph` does: a ``DynamicLayer`` concatenates its
+      whole history at every step.
     - Layers whose key or value head dim is below 2 stay ``DynamicLayer`` (encoders need dim >= 2, and a
       1-d vector has nothing to compress).
     - Without a config the model's layer count is learned at the first update of an already-seen layer
@@ -573,10 +586,16 @@ class TQCache(DynamicCache):
     def update(
         self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[Tensor, Tensor] | tuple[CompressedTokens, CompressedTokens]:
-        """Store key/value states [B, H, T, D] of layer ``layer_idx``; return what its attention reads."""
+        """Store key/value states [B, H, T, D] of layer ``layer_idx``; return what its attention reads. With
+        ``layer_graphs``, an eager one-token CUDA step turns a dense layer (``DynamicLayer``: protected) into a
+        :func:`dense_layer`, whose buffer fills in place and whose attention is replayed as a compressed layer's is."""
         self._add_layers(layer_idx, key_states, value_states)
         if self.offloading and key_states.device.type == "cpu":  # nothing to offload to
             return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+        layer = self.layers[layer_idx]
+        if (self.layer_graphs and not self.offloading and type(layer) is DynamicLayer and layer.is_initialized
+                and _graphed_step(self._text_config, key_states)):
+            self.layers[layer_idx] = dense_layer(layer, self._text_config, self.layer_graphs)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     # -- memory ------------------------------------------------------------------------------------
@@ -596,6 +615,25 @@ class TQCache(DynamicCache):
         value_encoder.code_size)``."""
         parts = [layer.nbytes_compressed() for layer in self.layers if isinstance(layer, TQLayer)]
         return sum(b for b, _ in parts), sum(n for _, n in parts)
+
+
+def dense_layer(layer: DynamicLayer, config: PreTrainedConfig | None = None, layer_graphs: int = LAYER_GRAPHS
+                ) -> TQLayer:
+    """A TQLayer holding a DynamicLayer's keys and values [B, H, T, D] in a window that keeps every token
+    (nothing is ever encoded: the same values, read by the attention kernel's full-precision path once its store is
+    static, by SDPA before); its encoders only give the kernel its tables. ``config``: the model's text config, as
+    for TQLayer; ``layer_graphs``: as for TQLayer."""
+    keys, values = layer.keys, layer.values
+    dense = TQLayer(_table_encoder(keys.shape[-1]), _table_encoder(values.shape[-1]), KEEP_ALL, config,
+                    layer_graphs=layer_graphs)
+    dense.lazy_initialization(keys, values)
+    dense.store.append(keys, values)
+    return dense
+
+
+@lru_cache(maxsize=None)
+def _table_encoder(dim: int) -> Encoder:
+    return make_encoder("tq4", dim)
 
 
 def _layer_bytes(layer: Any) -> tuple[int, int]:
