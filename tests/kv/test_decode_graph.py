@@ -6,9 +6,9 @@ import torch
 from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from tiny import CACHE_KW, llama_config, prompt, seeded
+from tiny import CACHE_KW, CLEAR, llama_config, prompt, seeded
 from tqindex import kernels
-from tqindex.kv import DecodeGraph, TQCache, TQLayer
+from tqindex.kv import DecodeGraph, TQCache, TQLayer, decode_graphs
 from tqindex.kv.hf import KEEP_ALL, LAYER_GRAPHS
 from tqindex.kernels.graphs import _Graph
 
@@ -144,6 +144,52 @@ def test_bad_caches_and_input_are_refused():
         DecodeGraph(model, cache, headroom=-1)
 
 
+def _generate(model, cache, ids: torch.Tensor, tokens: int, **kw) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Greedy ``model.generate`` -> (the ids [B, T + tokens], the logits of each new token)."""
+    out = model.generate(ids, max_new_tokens=tokens, do_sample=False, return_dict_in_generate=True, output_logits=True,
+                         **{CACHE_KW: cache}, **kw)
+    return out.sequences, [x.float() for x in out.logits]
+
+
+def test_generate_under_decode_graphs_gives_the_tokens_of_eager_generate():
+    """model.generate within decode_graphs: the prefill eager, every later step through one DecodeGraph (static
+    stores; replayed on CUDA, below), the same tokens and logits; model.forward itself again after the block."""
+    model, ids = _model(), prompt(2, 9, seed=CLEAR)
+    want, want_logits = _generate(model, _cache(model, protected=1), ids, 10)
+    cache = _cache(model, protected=1)
+    with decode_graphs(model) as steps:
+        got, logits = _generate(model, cache, ids, 10)
+    assert "forward" not in model.__dict__
+    assert (steps.eager, steps.replayed) == (1, 9)
+    assert all(type(layer) is TQLayer and layer.store.static for layer in cache.layers)
+    assert torch.equal(got, want)
+    for a, b in zip(logits, want_logits):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_decode_graphs_leaves_other_calls_to_the_model():
+    """Padding (a zero in the mask), caches other than TQCache, another attention: the model's own forward; an
+    error inside the block still restores model.forward."""
+    model, ids = _model(), prompt(2, 9, seed=CLEAR)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    want, _ = _generate(model, _cache(model), ids, 4, attention_mask=mask)
+    with decode_graphs(model) as steps:
+        got, _ = _generate(model, _cache(model), ids, 4, attention_mask=mask)
+        _generate(model, DynamicCache(config=model.config), ids, 4)
+        model.set_attn_implementation("sdpa")
+        _generate(model, _cache(model), ids, 4)
+    assert torch.equal(got, want)
+    assert (steps.eager, steps.replayed) == (12, 0)
+    with pytest.raises(RuntimeError, match="inside"):
+        with decode_graphs(model):
+            raise RuntimeError("inside")
+    assert "forward" not in model.__dict__
+    with pytest.raises(ValueError, match="headroom"):
+        with decode_graphs(model, headroom=0):
+            pass
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_replayed_graphs_give_the_logits_of_growing_steps_on_cuda():
     model = _model(CUDA, torch.float16)
@@ -207,6 +253,35 @@ def test_steps_with_edits_between_them_keep_growing_stores():
             model(input_ids=token, **{CACHE_KW: cache})
             assert not any(layer.store.static for layer in cache.layers)
             cache.reorder_cache(torch.tensor([1, 0], device=CUDA))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_generate_under_decode_graphs_replays_its_steps_on_cuda():
+    model = _model(CUDA, torch.float16)
+    ids = prompt(2, 250).to(CUDA)
+    want, want_logits = _generate(model, _cache(model, protected=1), ids, 30)
+    with decode_graphs(model, headroom=8) as steps:
+        got, logits = _generate(model, _cache(model, protected=1), ids, 30)
+        assert steps._graph.recordings == 2  # recorded at the second step, again once the code buffers grew
+    assert (steps.eager, steps.replayed) == (1, 29)
+    assert torch.equal(got[:, :ids.shape[1] + 5], want[:, :ids.shape[1] + 5])  # (later near ties may flip in fp16)
+    for a, b in zip(logits[:5], want_logits[:5]):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_decode_graphs_gives_up_on_a_cache_edited_between_steps():
+    """A reorder between steps (beam search) makes every step a new recording: from the second in a row on, the
+    cache's steps run eagerly."""
+    model = _model(CUDA, torch.float16)
+    cache = _cache(model)
+    token = torch.ones(2, 1, dtype=torch.long, device=CUDA)
+    with torch.no_grad(), decode_graphs(model) as steps:
+        model(input_ids=prompt(2, 20).to(CUDA), **{CACHE_KW: cache})
+        for _ in range(5):
+            model(input_ids=token, **{CACHE_KW: cache})
+            cache.reorder_cache(torch.tensor([1, 0], device=CUDA))
+    assert (steps.eager, steps.replayed) == (3, 3)  # the prefill, then eager steps 4 and 5
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

@@ -6,9 +6,9 @@ this package registers the ``"tqindex"`` attention implementation with it when i
 ``TQCache`` as a torch pytree node (for ``torch.export``). ``FP8Cache`` / ``FP8Layer`` (:mod:`tqindex.kv.fp8`,
 transformers too) are the FP8 baseline; ``SessionStore`` (:mod:`tqindex.kv.sessions`) serves many sessions'
 caches of one model under a byte budget; ``DecodeGraph`` (:mod:`tqindex.kv.decode_graph`, transformers too)
-replays one-token decode steps from a CUDA graph. ``KVPolicy`` (:mod:`tqindex.kv.policy`) describes a cache layer by
-layer, and ``calibrate`` (:mod:`tqindex.kv.calibrate`, transformers too) chooses one for a model under a
-bit budget.
+replays one-token decode steps from a CUDA graph, and ``decode_graphs`` puts it under ``model.generate``.
+``KVPolicy`` (:mod:`tqindex.kv.policy`) describes a cache layer by layer, and ``calibrate``
+(:mod:`tqindex.kv.calibrate`, transformers too) chooses one for a model under a bit budget.
 """
 
 from typing import Any
@@ -38,6 +38,7 @@ __all__ = [
     "calibrate",
     "compressed_attention",
     "compressed_attention_ref",
+    "decode_graphs",
     "dense_attention",
     "key_scales",
     "measure_sensitivity",
@@ -48,7 +49,7 @@ __all__ = [
 try:  # importing hf registers the "tqindex" attention implementation with transformers
     from .calibrate import (Sensitivity, calibrate, key_scales, measure_sensitivity, policy_for_budget,
                             sensitivity_template)
-    from .decode_graph import DecodeGraph
+    from .decode_graph import DecodeGraph, decode_graphs
     from .fp8 import FP8Cache, FP8Layer
     from .hf import TQCache, TQLayer
 except ImportError as err:  # transformers missing: storage and attention still work
@@ -58,7 +59,7 @@ except ImportError as err:  # transformers missing: storage and attention still 
 
     def __getattr__(name: str) -> Any:
         if name in ("TQCache", "TQLayer", "FP8Cache", "FP8Layer", "calibrate", "key_scales", "measure_sensitivity",
-                    "policy_for_budget", "sensitivity_template", "Sensitivity", "DecodeGraph"):
+                    "policy_for_budget", "sensitivity_template", "Sensitivity", "DecodeGraph", "decode_graphs"):
             raise ImportError(
                 f"tqindex.kv.{name} needs transformers >= 5.0: pip install 'tqindex[kv]' ({_HF_ERROR})"
             ) from _HF_ERROR

@@ -33,12 +33,16 @@ the stores), not for a StaticCache (its length is counted here).
 
 from __future__ import annotations
 
+import functools
 import inspect
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import Tensor
 from transformers.cache_utils import DynamicLayer, StaticLayer
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..checks import check_int
 from .hf import ATTN_IMPLEMENTATION, TQCache, TQLayer, dense_layer
@@ -162,6 +166,89 @@ class DecodeGraph:
         graph.replay()
         self._graph, self._key = graph, key
         self.recordings += 1
+
+
+@contextmanager
+def decode_graphs(model: torch.nn.Module, *, headroom: int = STATIC_HEADROOM) -> Iterator["GraphedSteps"]:
+    """Within the block, ``model``'s one-token decode steps over a TQCache go through a :class:`DecodeGraph` of that
+    cache, so that ``model.generate(..., cache=TQCache(...))`` (or any loop of forward calls) replays its steps from
+    a CUDA graph with no other change; ``model.forward`` is itself again after the block. Yields the
+    :class:`GraphedSteps` that stands in for ``model.forward`` (its counts say how the steps ran).
+
+    A call runs the model's own forward where a DecodeGraph would not give its result: more than one token
+    (a prefill) or an empty cache, input embeddings, a cache that is not a TQCache or has offloading, a model without the
+    "tqindex" attention, an attention mask with a zero anywhere (padding: one device read per step), outputs
+    beyond the logits and the cache (attentions, hidden states, ``return_dict=False``), and, for the rest of a
+    cache's life, once two consecutive steps over it each had to be recorded anew (edits between steps such as
+    beam search's reorders return its stores to the growing mode every time; TQCache's own eager steps follow
+    them better). ``headroom``: as for DecodeGraph."""
+    check_int(headroom, "headroom", 1)
+    had = model.__dict__.get("forward")
+    steps = GraphedSteps(model, model.forward, headroom)
+    model.forward = steps
+    try:
+        yield steps
+    finally:
+        if had is None:
+            del model.forward
+        else:
+            model.forward = had
+
+
+class GraphedSteps:
+    """``model.forward`` within :func:`decode_graphs`: one DecodeGraph at a time, for the cache of the latest step
+    it served (a new cache replaces it). ``replayed`` counts the steps that went through a DecodeGraph, ``eager``
+    the calls passed to the model's own forward."""
+
+    _PLAIN = {"input_ids", "cache", "past_key_values", "position_ids", "cache_position", "attention_mask",
+              "inputs_embeds", "logits_to_keep", "use_cache", "return_dict"}
+    """Arguments a one-token step may carry (``attention_mask`` without padding, ``inputs_embeds`` None,
+    ``use_cache`` and ``return_dict`` not False); any other argument set to something but None or False makes
+    the call eager."""
+
+    def __init__(self, model: torch.nn.Module, forward: Callable[..., Any], headroom: int) -> None:
+        self.model, self.forward, self.headroom = model, forward, headroom
+        self.replayed = self.eager = 0
+        self._graph: DecodeGraph | None = None
+        self._cache: Any = None  # the cache of self._graph; None there once it has been given up
+        self._recorded = False  # whether the latest step over self._cache was recorded anew
+        self._inside = False  # a DecodeGraph's own forward call
+        functools.update_wrapper(self, forward)  # the signature transformers inspects
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if self._inside:
+            return self.forward(*args, **kwargs)
+        if not self._replayable(args, kwargs, cache):
+            self.eager += 1
+            return self.forward(*args, **kwargs)
+        if cache is not self._cache:
+            self._cache, self._recorded = cache, False
+            self._graph = DecodeGraph(self.model, cache, headroom=self.headroom)
+        graph, before = self._graph, self._graph.recordings
+        self._inside = True
+        try:
+            logits = graph(kwargs["input_ids"])
+        finally:
+            self._inside = False
+        recorded = graph.recordings > before
+        if recorded and self._recorded:
+            self._graph = None  # given up on this cache: its later steps run eagerly
+        self._recorded = recorded
+        self.replayed += 1
+        return CausalLMOutputWithPast(logits=logits[:, None], **{graph._kw: cache})
+
+    def _replayable(self, args: tuple, kwargs: dict[str, Any], cache: Any) -> bool:
+        ids, mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
+        if (args or not isinstance(cache, TQCache) or cache.offloading or not cache.get_seq_length()
+                or not isinstance(ids, Tensor)
+                or ids.dim() != 2 or ids.shape[1] != 1 or kwargs.get("use_cache") is False
+                or kwargs.get("return_dict") is False
+                or getattr(self.model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION
+                or any(v is not None and v is not False for k, v in kwargs.items() if k not in self._PLAIN)
+                or kwargs.get("inputs_embeds") is not None or cache is self._cache and self._graph is None):
+            return False
+        return mask is None or bool(mask.all())
 
 
 def _describe(x: Any) -> str:
