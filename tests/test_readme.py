@@ -74,7 +74,7 @@ def test_readme_kv_cache_example_runs(capsys):
     """The KV example as printed: SmolLM2-135M offline (converted once, then loaded from the cache folder)."""
     smollm2_or_skip()
     scope: dict = {}
-    exec(compile(block_with("python", "model.generate("), str(README), "exec"), scope)
+    exec(compile(block_with("python", "of a bfloat16 DynamicCache"), str(README), "exec"), scope)
     cache, inputs, out = scope["cache"], scope["inputs"], scope["out"]
     assert out.shape[1] == inputs.input_ids.shape[1] + 16 and cache.get_seq_length() == out.shape[1] - 1
     assert 1000 < inputs.input_ids.shape[1] < 1300
@@ -93,6 +93,17 @@ def test_readme_decode_graph_example_runs(capsys):
     assert len(answer) == 16 and cache.get_seq_length() == ids.shape[1] + 15
     assert all(isinstance(layer, TQLayer) and layer.store.static for layer in cache.layers)
     assert capsys.readouterr().out.strip()
+
+
+def test_readme_decode_graphs_example_runs(capsys):
+    """The decode_graphs example as printed (eager steps off CUDA): generate's 15 steps after the prefill went
+    through the DecodeGraph."""
+    smollm2_or_skip()
+    scope: dict = {}
+    exec(compile(block_with("python", "decode_graphs(model)"), str(README), "exec"), scope)
+    steps, ids, out = scope["steps"], scope["ids"], scope["out"]
+    assert out.shape[1] == ids.shape[1] + 16 and (steps.replayed, steps.eager) == (15, 1)
+    assert "15 steps through the graph, 1 eager" in capsys.readouterr().out
 
 
 def test_readme_kv_policy_example_runs(tmp_path, monkeypatch, capsys):
