@@ -23,6 +23,11 @@ Every number comes from one run on one GPU:
 - at a fixed KV budget (40 GiB by default): the tokens each cache holds (from the bytes per token it
   allocated in its last end-to-end row: codes with their spare capacity, windows, dense layers) and its
   decode throughput (tokens/s) at 32k context with the batch that fits, and the bytes it allocated there.
+- ``model.generate`` (section ``generate``, not run by default): ms per new token of greedy generation over the
+  same model and caches at 8k x 1 and 32k x 8 (random keys and values), as the difference of two timed
+  ``generate`` calls of GENERATE_TOKENS and GENERATE_TOKENS + DECODE_STEPS new tokens (the best of two each, the
+  cache cropped back after each): what a user of ``generate`` gets per token, its own host work included;
+  ``+graph`` generates within ``tqindex.kv.decode_graphs``.
 
 TQCache presets: window 128, the first and last 2 layers dense; ``-p0`` (e.g. ``tq4-p0``): no dense
 layers. ``static``: transformers' StaticCache (bf16, sized for the row's tokens). A ``+graph`` suffix
@@ -44,6 +49,7 @@ import argparse
 import re
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +65,7 @@ import _sdpa  # noqa: E402
 from _gpu import bench, gpu_time, roofline  # noqa: E402
 
 import tqindex as tq  # noqa: E402
-from tqindex.kv import DecodeGraph, TQCache  # noqa: E402
+from tqindex.kv import DecodeGraph, TQCache, decode_graphs  # noqa: E402
 from tqindex.kv.attention import _fused, compressed_attention, dense_attention  # noqa: E402
 from tqindex.kv.sessions import allocated_bytes  # noqa: E402
 from tqindex.kv.store import CompressedTokens  # noqa: E402
@@ -80,6 +86,10 @@ PREFILL_CHUNK = 4096
 WARMUP_STEPS, DECODE_STEPS = 16, 32
 """Decode steps before the timed ones (a whole ``encode_stride`` of window lengths: what they compile is
 compiled), and timed consecutive steps (:func:`decode_ms`)."""
+GENERATE = ((8192, 1), (32768, 8))
+"""(context, batch) of the ``generate`` rows."""
+GENERATE_TOKENS = 8
+"""New tokens of the shorter timed ``generate`` call (:func:`generate_ms`)."""
 GiB = 1 << 30
 
 
@@ -241,6 +251,55 @@ def decode_ms(model: Any, cache: Any, batch: int, device: torch.device, graph: b
     return a.elapsed_time(b) / DECODE_STEPS
 
 
+@torch.no_grad()
+def generate_ms(model: Any, cache: Any, batch: int, device: torch.device, graph: bool = False) -> tuple[float, int]:
+    """ms per new token of greedy ``model.generate`` over the filled ``cache`` (module notes; ``graph``: within
+    ``decode_graphs``) -> (ms, the steps that went through a DecodeGraph). The cache is cropped back after each call."""
+    length = cache.get_seq_length()
+    ids = torch.randint(3, model.config.vocab_size, (batch, length + 1), device=device)  # the last one is new
+
+    def timed(tokens: int) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, **{cache_kw(model): cache})
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        cache.crop(length - cache.get_seq_length())
+        return seconds
+
+    with decode_graphs(model) if graph else nullcontext() as steps:
+        timed(GENERATE_TOKENS)  # compiles, records
+        short = min(timed(GENERATE_TOKENS) for _ in range(2))
+        long = min(timed(GENERATE_TOKENS + DECODE_STEPS) for _ in range(2))
+    return (long - short) / DECODE_STEPS * 1e3, steps.replayed if graph else 0
+
+
+def generate_rows(results: _run.Results, device: torch.device, args: argparse.Namespace) -> None:
+    """The ``generate`` rows (module notes)."""
+    model = llama8b(device, 4 if args.quick else 32)
+    for context, batch in ((2048, 1),) if args.quick else GENERATE:
+        for kind in args.caches.split(","):
+            key = f"{kind} t{context} b{batch}"
+            if key in results.data["generate"] or kind.startswith("static"):
+                continue
+            torch.cuda.empty_cache()
+            cache = make_cache(kind, model, context + GENERATE_TOKENS + DECODE_STEPS)
+            try:
+                with _sdpa.backends(args.sdpa):
+                    fill(model, cache, batch, context, False, device)
+                    ms, replayed = generate_ms(model, cache, batch, device, kind.endswith("+graph"))
+                row = {"context": context, "batch": batch, "ms_per_token": ms, "tokens_per_s": batch / ms * 1e3,
+                       "replayed": replayed}
+            except torch.OutOfMemoryError:
+                row = {"oom": True}
+            results.data["generate"][key] = row
+            results.save()
+            print(f"{key}: generate {row.get('ms_per_token', float('nan')):.2f} ms per new token", flush=True)
+            del cache
+
+
 def e2e_rows(results: _run.Results, device: torch.device, args: argparse.Namespace) -> None:
     """End-to-end and fixed-budget rows (module notes)."""
     layers = 4 if args.quick else 32
@@ -360,6 +419,14 @@ def markdown(data: dict) -> str:
             held = f"{r['allocated_GiB']:.2f}" if "allocated_GiB" in r else ""
             lines.append(f"| {key} | {r['tokens_held']} | {r['batch']} x {r['context']} | {tps} | {held} |")
         lines.append("")
+    if data.get("generate"):  # (older runs: no such section)
+        lines += ["## model.generate: ms per new token", "",
+                  "| cache, context, batch | ms per new token | tokens/s | steps through a DecodeGraph |",
+                  "|---|--:|--:|--:|"]
+        for key, r in data["generate"].items():
+            lines.append(f"| {key} | out of memory | | |" if r.get("oom") else
+                         f"| {key} | {r['ms_per_token']:.2f} | {r['tokens_per_s']:.0f} | {r['replayed']} |")
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -369,7 +436,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quick", action="store_true", help="small sizes, 4 layers")
     p.add_argument("--prefill", action="store_true", help="fill every end-to-end cache by a real prefill")
     p.add_argument("--budget-gib", type=float, default=40.0, help="the fixed KV budget (GiB)")
-    p.add_argument("--sections", default="kernel,e2e")
+    p.add_argument("--sections", default="kernel,e2e", help="kernel, e2e, generate (comma-separated)")
     p.add_argument("--caches", default="dynamic,tq4,tq4-p0,k8v4,tq3",
                    help="caches of the end-to-end rows: dynamic, static, or a TQCache preset (" + ", ".join(PRESETS)
                    + ") with an optional -pN (N dense layers at each end; default 2); a +graph suffix decodes "
@@ -390,7 +457,8 @@ def main(argv: list[str] | None = None) -> None:
     env = _env.named_commit(_env.environment(torch.get_num_threads()))
     out = _run.run_folder(args.out, "gpu_attention", env)
     results = _run.Results(out / "gpu_attention.json", {"env": env, "args": vars(args), "roofline": {}, "kernel": {},
-                                                        "e2e": {}, "budget": {}}, args.restart)
+                                                        "e2e": {}, "budget": {}, "generate": {}}, args.restart)
+    results.data.setdefault("generate", {})  # (a run continued from before the section)
     if not results.data["roofline"]:
         results.data["roofline"] = roofline(device)
         results.save()
@@ -399,6 +467,8 @@ def main(argv: list[str] | None = None) -> None:
         kernel_rows(results, device, args.quick)
     if "e2e" in sections:
         e2e_rows(results, device, args)
+    if "generate" in sections:
+        generate_rows(results, device, args)
     results.data["complete"] = True
     results.save()
     (out / "gpu_attention.md").write_text(markdown(results.data))

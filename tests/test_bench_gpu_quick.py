@@ -57,3 +57,27 @@ def test_search_results_page_is_its_json_rendered(monkeypatch, stem):
     row["tiles"] = {"tile_rows": 512, "tiles": 19532, "kept": 32, "tile_maxima_ms": 44.7, "top_tiles_ms": 1.83,
                     "rescore_ms": 2.51}
     assert f"| {key} | 512 | 32 of 19532 | {row['scan_only_ms']:.3f} | 44.700 | 1.830 | 2.510 |" in gpu_search.markdown(data)
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "tq4", "tq4+graph"])
+def test_generate_timing_crops_back_and_counts_graph_steps(monkeypatch, kind):
+    """The generate rows' timing (run here on CPU with a tiny model): every timed call crops the cache back to its
+    filled length, and within decode_graphs every new token's step (the filled cache's last prompt token's too) goes
+    through the DecodeGraph."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_attention
+
+    monkeypatch.setattr(gpu_attention, "DECODE_STEPS", 4)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    cpu = torch.device("cpu")
+    cache = gpu_attention.make_cache(kind, model, 200)
+    gpu_attention.fill(model, cache, 2, 100, False, cpu)
+    ms, replayed = gpu_attention.generate_ms(model, cache, 2, cpu, kind.endswith("+graph"))
+    assert ms == ms and cache.get_seq_length() == 100
+    tokens = gpu_attention.GENERATE_TOKENS
+    assert replayed == (3 * tokens + 2 * (tokens + 4) if kind.endswith("+graph") else 0)
