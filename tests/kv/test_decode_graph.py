@@ -144,6 +144,18 @@ def test_bad_caches_and_input_are_refused():
         DecodeGraph(model, cache, headroom=-1)
 
 
+def _sliding_model():
+    """Tiny Gemma2 with the "tqindex" attention: sliding-window layers (8 tokens) between full ones."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                          initializer_range=0.1, pad_token_id=0, eos_token_id=None)
+    model = seeded(Gemma2ForCausalLM, config)
+    model.set_attn_implementation("tqindex")
+    return model
+
+
 def _generate(model, cache, ids: torch.Tensor, tokens: int, **kw) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Greedy ``model.generate`` -> (the ids [B, T + tokens], the logits of each new token)."""
     out = model.generate(ids, max_new_tokens=tokens, do_sample=False, return_dict_in_generate=True, output_logits=True,
@@ -168,8 +180,8 @@ def test_generate_under_decode_graphs_gives_the_tokens_of_eager_generate():
 
 
 def test_decode_graphs_leaves_other_calls_to_the_model():
-    """Padding (a zero in the mask), caches other than TQCache, another attention: the model's own forward; an
-    error inside the block still restores model.forward."""
+    """Padding (a zero in the mask), caches other than TQCache, another attention, sliding-window layers: the model's
+    own forward; an error inside the block still restores model.forward."""
     model, ids = _model(), prompt(2, 9, seed=CLEAR)
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
@@ -181,6 +193,11 @@ def test_decode_graphs_leaves_other_calls_to_the_model():
         _generate(model, _cache(model), ids, 4)
     assert torch.equal(got, want)
     assert (steps.eager, steps.replayed) == (12, 0)
+    gemma2 = _sliding_model()
+    want, _ = _generate(gemma2, TQCache(gemma2.config, "tq8", "tq8", residual_length=4), ids, 4)
+    with decode_graphs(gemma2) as steps:
+        got, _ = _generate(gemma2, TQCache(gemma2.config, "tq8", "tq8", residual_length=4), ids, 4)
+    assert torch.equal(got, want) and (steps.eager, steps.replayed) == (4, 0)
     with pytest.raises(RuntimeError, match="inside"):
         with decode_graphs(model):
             raise RuntimeError("inside")

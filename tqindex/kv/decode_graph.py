@@ -175,13 +175,13 @@ def decode_graphs(model: torch.nn.Module, *, headroom: int = STATIC_HEADROOM) ->
     a CUDA graph with no other change; ``model.forward`` is itself again after the block. Yields the
     :class:`GraphedSteps` that stands in for ``model.forward`` (its counts say how the steps ran).
 
-    A call runs the model's own forward where a DecodeGraph would not give its result: more than one token
-    (a prefill) or an empty cache, input embeddings, a cache that is not a TQCache or has offloading, a model without the
-    "tqindex" attention, an attention mask with a zero anywhere (padding: one device read per step), outputs
-    beyond the logits and the cache (attentions, hidden states, ``return_dict=False``), and, for the rest of a
-    cache's life, once two consecutive steps over it each had to be recorded anew (edits between steps such as
-    beam search's reorders return its stores to the growing mode every time; TQCache's own eager steps follow
-    them better). ``headroom``: as for DecodeGraph."""
+    A call runs the model's own forward where a DecodeGraph would not give its result: more than one token (a
+    prefill) or an empty cache, input embeddings, a cache that is not a TQCache, has offloading or has layers a
+    DecodeGraph cannot replay (sliding windows), a model without the "tqindex" attention, an attention mask with a
+    zero anywhere (padding: one device read per step), outputs beyond the logits and the cache (attentions, hidden
+    states, ``return_dict=False``), and, for the rest of a cache's life, once two consecutive steps over it each had
+    to be recorded anew (edits between steps such as beam search's reorders return its stores to the growing mode
+    every time; TQCache's own eager steps follow them better). ``headroom``: as for DecodeGraph."""
     check_int(headroom, "headroom", 1)
     had = model.__dict__.get("forward")
     steps = GraphedSteps(model, model.forward, headroom)
@@ -209,22 +209,19 @@ class GraphedSteps:
     def __init__(self, model: torch.nn.Module, forward: Callable[..., Any], headroom: int) -> None:
         self.model, self.forward, self.headroom = model, forward, headroom
         self.replayed = self.eager = 0
-        self._graph: DecodeGraph | None = None
-        self._cache: Any = None  # the cache of self._graph; None there once it has been given up
-        self._recorded = False  # whether the latest step over self._cache was recorded anew
+        self._cache: Any = None  # the cache of the latest step served
+        self._graph: DecodeGraph | None = None  # its graph; None once given up (or never replayable)
+        self._recorded = False  # whether the latest step over it was recorded anew
         self._inside = False  # a DecodeGraph's own forward call
         functools.update_wrapper(self, forward)  # the signature transformers inspects
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if self._inside:
             return self.forward(*args, **kwargs)
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if not self._replayable(args, kwargs, cache):
             self.eager += 1
             return self.forward(*args, **kwargs)
-        if cache is not self._cache:
-            self._cache, self._recorded = cache, False
-            self._graph = DecodeGraph(self.model, cache, headroom=self.headroom)
         graph, before = self._graph, self._graph.recordings
         self._inside = True
         try:
@@ -239,16 +236,20 @@ class GraphedSteps:
         return CausalLMOutputWithPast(logits=logits[:, None], **{graph._kw: cache})
 
     def _replayable(self, args: tuple, kwargs: dict[str, Any], cache: Any) -> bool:
+        """Whether this call is a step the cache's DecodeGraph replays (made here for a new cache)."""
         ids, mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
         if (args or not isinstance(cache, TQCache) or cache.offloading or not cache.get_seq_length()
-                or not isinstance(ids, Tensor)
-                or ids.dim() != 2 or ids.shape[1] != 1 or kwargs.get("use_cache") is False
+                or not isinstance(ids, Tensor) or ids.dim() != 2 or ids.shape[1] != 1
+                or kwargs.get("inputs_embeds") is not None or kwargs.get("use_cache") is False
                 or kwargs.get("return_dict") is False
                 or getattr(self.model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION
-                or any(v is not None and v is not False for k, v in kwargs.items() if k not in self._PLAIN)
-                or kwargs.get("inputs_embeds") is not None or cache is self._cache and self._graph is None):
+                or any(v is not None and v is not False for k, v in kwargs.items() if k not in self._PLAIN)):
             return False
-        return mask is None or bool(mask.all())
+        if cache is not self._cache:
+            self._cache, self._recorded = cache, False
+            replayable = all(isinstance(layer, TQLayer) or type(layer) is DynamicLayer for layer in cache.layers)
+            self._graph = DecodeGraph(self.model, cache, headroom=self.headroom) if replayable else None
+        return self._graph is not None and (mask is None or bool(mask.all()))
 
 
 def _describe(x: Any) -> str:
