@@ -101,21 +101,10 @@ class DecodeGraph:
     def _prepare(self) -> list[KVStore]:
         """Check the cache's layers; turn DynamicLayers into dense TQLayers; make the TQLayers' stores static,
         with room for this step's token."""
-        if getattr(self.cache, "offloading", False):
-            raise ValueError("DecodeGraph needs a cache without offloading (its layers move between devices at "
-                             "every step, which a recorded graph cannot follow)")
-        layers, tq_cache = self.cache.layers, isinstance(self.cache, TQCache)
-        if tq_cache and getattr(self.model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
-            raise ValueError(f"DecodeGraph over a TQCache needs the {ATTN_IMPLEMENTATION!r} attention "
-                             f"(model.set_attn_implementation({ATTN_IMPLEMENTATION!r}))")
-        for i, layer in enumerate(layers):  # all checked before any is changed
-            if isinstance(layer, StaticLayer):
-                continue
-            if not (isinstance(layer, TQLayer) or tq_cache and type(layer) is DynamicLayer):
-                raise ValueError(f"cache layer {i} is a {type(layer).__name__}, which DecodeGraph cannot replay: "
-                                 "the layers of a TQCache (its dense ones too) and of a StaticCache can be")
-            if not layer.is_initialized:
-                raise ValueError(f"prefill the cache before decoding with DecodeGraph (layer {i} is empty)")
+        refusal = _refusal(self.model, self.cache)  # all checked before any layer is changed
+        if refusal:
+            raise ValueError(refusal)
+        layers = self.cache.layers
         stores = []
         for i, layer in enumerate(layers):
             if isinstance(layer, StaticLayer):
@@ -176,12 +165,13 @@ def decode_graphs(model: torch.nn.Module, *, headroom: int = STATIC_HEADROOM) ->
     :class:`GraphedSteps` that stands in for ``model.forward`` (its counts say how the steps ran).
 
     A call runs the model's own forward where a DecodeGraph would not give its result: more than one token (a
-    prefill) or an empty cache, input embeddings, a cache that is not a TQCache, has offloading or has layers a
-    DecodeGraph cannot replay (sliding windows), a model without the "tqindex" attention, an attention mask with a
-    zero anywhere (padding: one device read per step), outputs beyond the logits and the cache (attentions, hidden
-    states, ``return_dict=False``), and, for the rest of a cache's life, once two consecutive steps over it each had
-    to be recorded anew (edits between steps such as beam search's reorders return its stores to the growing mode
-    every time; TQCache's own eager steps follow them better). ``headroom``: as for DecodeGraph."""
+    prefill) or an empty cache, input embeddings, a cache that is not a TQCache, an attention mask with a zero
+    anywhere (padding: one device read per step), outputs beyond the logits and the cache (attentions, hidden
+    states, ``return_dict=False``); and, for the rest of a cache's life, a cache that DecodeGraph refuses when it
+    first comes (offloading, layers it cannot replay such as sliding windows, a model without the "tqindex"
+    attention) or over which two consecutive steps each had to be recorded anew (edits between steps such as beam
+    search's reorders return its stores to the growing mode every time; TQCache's own eager steps follow them
+    better). ``headroom``: as for DecodeGraph."""
     check_int(headroom, "headroom", 1)
     had = model.__dict__.get("forward")
     steps = GraphedSteps(model, model.forward, headroom)
@@ -238,18 +228,37 @@ class GraphedSteps:
     def _replayable(self, args: tuple, kwargs: dict[str, Any], cache: Any) -> bool:
         """Whether this call is a step the cache's DecodeGraph replays (made here for a new cache)."""
         ids, mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
-        if (args or not isinstance(cache, TQCache) or cache.offloading or not cache.get_seq_length()
+        if (args or not isinstance(cache, TQCache) or not cache.get_seq_length()
                 or not isinstance(ids, Tensor) or ids.dim() != 2 or ids.shape[1] != 1
                 or kwargs.get("inputs_embeds") is not None or kwargs.get("use_cache") is False
                 or kwargs.get("return_dict") is False
-                or getattr(self.model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION
                 or any(v is not None and v is not False for k, v in kwargs.items() if k not in self._PLAIN)):
             return False
-        if cache is not self._cache:
+        if cache is not self._cache:  # DecodeGraph's own checks, once per cache
             self._cache, self._recorded = cache, False
-            replayable = all(isinstance(layer, TQLayer) or type(layer) is DynamicLayer for layer in cache.layers)
-            self._graph = DecodeGraph(self.model, cache, headroom=self.headroom) if replayable else None
+            refused = _refusal(self.model, cache)
+            self._graph = None if refused else DecodeGraph(self.model, cache, headroom=self.headroom)
         return self._graph is not None and (mask is None or bool(mask.all()))
+
+
+def _refusal(model: torch.nn.Module, cache: Any) -> str | None:
+    """Why DecodeGraph cannot replay steps of ``model`` over ``cache`` now, or None where it can."""
+    if getattr(cache, "offloading", False):
+        return ("DecodeGraph needs a cache without offloading (its layers move between devices at every step, which a "
+                "recorded graph cannot follow)")
+    tq_cache = isinstance(cache, TQCache)
+    if tq_cache and getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+        return (f"DecodeGraph over a TQCache needs the {ATTN_IMPLEMENTATION!r} attention "
+                f"(model.set_attn_implementation({ATTN_IMPLEMENTATION!r}))")
+    for i, layer in enumerate(cache.layers):
+        if isinstance(layer, StaticLayer):
+            continue
+        if not (isinstance(layer, TQLayer) or tq_cache and type(layer) is DynamicLayer):
+            return (f"cache layer {i} is a {type(layer).__name__}, which DecodeGraph cannot replay: the layers of a "
+                    "TQCache (its dense ones too) and of a StaticCache can be")
+        if not layer.is_initialized:
+            return f"prefill the cache before decoding with DecodeGraph (layer {i} is empty)"
+    return None
 
 
 def _describe(x: Any) -> str:

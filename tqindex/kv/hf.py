@@ -62,7 +62,8 @@ over a static store have one shape; the second allows for a model that calls a l
 KEEP_ALL = 1 << 62
 """``residual_length`` of a dense layer's store (:func:`dense_layer`): no token ever leaves its window."""
 STATIC_AFTER = 2
-"""With ``layer_graphs``, the consecutive one-token CUDA steps (no edit between them) that make a layer's store static."""
+"""With ``layer_graphs``, the consecutive one-token CUDA steps (no edit between them) that make a layer's store
+static."""
 _PRESET = re.compile(r"k(\d)v(\d)")
 logger = logging.get_logger(__name__)
 
