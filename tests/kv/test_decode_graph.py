@@ -6,7 +6,7 @@ import torch
 from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from tiny import CACHE_KW, CLEAR, llama_config, prompt, seeded
+from tiny import CACHE_KW, CLEAR, gemma2_config, llama_config, prompt, seeded
 from tqindex import kernels
 from tqindex.kv import DecodeGraph, TQCache, TQLayer, decode_graphs
 from tqindex.kv.hf import KEEP_ALL, LAYER_GRAPHS
@@ -146,12 +146,9 @@ def test_bad_caches_and_input_are_refused():
 
 def _sliding_model():
     """Tiny Gemma2 with the "tqindex" attention: sliding-window layers (8 tokens) between full ones."""
-    from transformers import Gemma2Config, Gemma2ForCausalLM
+    from transformers import Gemma2ForCausalLM
 
-    config = Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
-                          initializer_range=0.1, pad_token_id=0, eos_token_id=None)
-    model = seeded(Gemma2ForCausalLM, config)
+    model = seeded(Gemma2ForCausalLM, gemma2_config())
     model.set_attn_implementation("tqindex")
     return model
 

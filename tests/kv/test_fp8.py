@@ -8,8 +8,8 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from tiny import CACHE_KW, forward, generate, llama_config, prompt, seeded  # noqa: E402
-from transformers import DynamicCache, Gemma2Config, Gemma2ForCausalLM, LlamaForCausalLM  # noqa: E402
+from tiny import CACHE_KW, forward, gemma2_config, generate, llama_config, prompt, seeded  # noqa: E402
+from transformers import DynamicCache, Gemma2ForCausalLM, LlamaForCausalLM  # noqa: E402
 from transformers.cache_utils import DynamicSlidingWindowLayer  # noqa: E402
 
 from tqindex.kv import FP8Cache, FP8Layer  # noqa: E402
@@ -161,11 +161,7 @@ def test_from_ddp_cache_data():
 
 
 def test_sliding_window_layers_keep_their_class():
-    config = Gemma2Config(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, sliding_window=8, initializer_range=0.1, pad_token_id=0,
-        eos_token_id=None,
-    )  # fmt: skip
+    config = gemma2_config()
     model = seeded(Gemma2ForCausalLM, config)
     cache = FP8Cache(config)
     assert [type(layer) for layer in cache.layers] == [DynamicSlidingWindowLayer, FP8Layer] * 2

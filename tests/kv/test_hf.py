@@ -5,10 +5,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 from tiny import (  # noqa: E402
-    CACHE_KW, CLEAR, assert_greedy_matches, clear_steps, compressed_layers, exact_greedy, forward, generate,
-    llama_config, prompt, seeded, tq8,
+    CACHE_KW, CLEAR, assert_greedy_matches, clear_steps, compressed_layers, exact_greedy, forward, gemma2_config,
+    generate, llama_config, prompt, seeded, tq8,
 )  # fmt: skip
-from transformers import DynamicCache, Gemma2Config, Gemma2ForCausalLM, LlamaForCausalLM  # noqa: E402
+from transformers import DynamicCache, Gemma2ForCausalLM, LlamaForCausalLM  # noqa: E402
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer  # noqa: E402
 
 import tqindex as tq  # noqa: E402
@@ -28,12 +28,7 @@ def llama():
 @pytest.fixture(scope="module")
 def gemma2():
     """Tiny random Gemma2: alternating sliding-window (8 tokens) and full layers, soft-capped scores."""
-    config = Gemma2Config(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, sliding_window=8, initializer_range=0.1, pad_token_id=0,
-        eos_token_id=None,
-    )  # fmt: skip
-    return seeded(Gemma2ForCausalLM, config)
+    return seeded(Gemma2ForCausalLM, gemma2_config(num_hidden_layers=6))
 
 
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache, Gemma2Config, LlamaConfig, LlamaForCausalLM
 
 from tqindex.kv import TQCache
 from tqindex.kv.hf import ATTN_IMPLEMENTATION, TQLayer
@@ -38,6 +38,15 @@ def llama_config(**overrides) -> LlamaConfig:
         num_key_value_heads=2, head_dim=32, initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=None,
     )  # fmt: skip
     return LlamaConfig(**{**kw, **overrides})
+
+
+def gemma2_config(**overrides) -> Gemma2Config:
+    """Tiny Gemma2: 4 layers alternating sliding-window (8 tokens) and full attention, soft-capped scores."""
+    kw = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=8, initializer_range=0.1, pad_token_id=0, eos_token_id=None,
+    )  # fmt: skip
+    return Gemma2Config(**{**kw, **overrides})
 
 
 def prompt(batch: int = 1, length: int = 12, seed: int = 1) -> torch.Tensor:
