@@ -167,9 +167,9 @@ def decode_graphs(model: torch.nn.Module, *, headroom: int = STATIC_HEADROOM) ->
     A call runs the model's own forward where a DecodeGraph would not give its result: more than one token (a
     prefill) or an empty cache, input embeddings, a cache that is not a TQCache, an attention mask with a zero
     anywhere (padding: one device read per step), outputs beyond the logits and the cache (attentions, hidden
-    states, ``return_dict=False``); and, for the rest of a cache's life, a cache that DecodeGraph refuses when it
-    first comes (offloading, layers it cannot replay such as sliding windows, a model without the "tqindex"
-    attention) or over which two consecutive steps each had to be recorded anew (edits between steps such as beam
+    states, ``return_dict=False``), a model without the "tqindex" attention; and, for the rest of a cache's life, a
+    cache that DecodeGraph refuses when it first comes (offloading, layers it cannot replay such as sliding windows)
+    or over which two consecutive steps each had to be recorded anew (edits between steps such as beam
     search's reorders return its stores to the growing mode every time; TQCache's own eager steps follow them
     better). ``headroom``: as for DecodeGraph."""
     check_int(headroom, "headroom", 1)
@@ -232,6 +232,7 @@ class GraphedSteps:
                 or not isinstance(ids, Tensor) or ids.dim() != 2 or ids.shape[1] != 1
                 or kwargs.get("inputs_embeds") is not None or kwargs.get("use_cache") is False
                 or kwargs.get("return_dict") is False
+                or getattr(self.model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION  # may change
                 or any(v is not None and v is not False for k, v in kwargs.items() if k not in self._PLAIN)):
             return False
         if cache is not self._cache:  # DecodeGraph's own checks, once per cache
