@@ -28,7 +28,8 @@ def test_gpu_benchmark_quick(tmp_path, script, name):
     assert data["complete"] and data["roofline"]["read_TBps"] > 0
 
 
-@pytest.mark.parametrize("stem", ["gpu_attention_kernels_h200", "gpu_attention_e2e_h200"])
+@pytest.mark.parametrize("stem", ["gpu_attention_kernels_h200", "gpu_attention_e2e_h200",
+                                  "gpu_attention_generate_h100"])
 def test_attention_results_pages_are_their_json_rendered(monkeypatch, stem):
     """The committed pages show exactly what their JSON holds, each with the sections that run measured."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
@@ -39,6 +40,7 @@ def test_attention_results_pages_are_their_json_rendered(monkeypatch, stem):
     page = gpu_attention.markdown(data)
     assert page == (results / f"{stem}.md").read_text()
     assert ("## Kernel level" in page) == bool(data["kernel"]) and ("## End to end" in page) == bool(data["e2e"])
+    assert ("## model.generate" in page) == bool(data.get("generate"))
     gpu_timed = [key for key, row in data["kernel"].items() if "sdpa_gpu_ms" in row]
     assert page.count("Below: GPU time") == bool(gpu_timed) and all(page.count(f"| {key} |") == 2 for key in gpu_timed)
 
