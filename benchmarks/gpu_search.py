@@ -19,7 +19,9 @@ Every number comes from one run on one GPU:
   filtering scan's overflow check; then CUDA events, marked "events"), and, for scale, the same index
   searched on the machine's CPU cores and faiss-cpu's TurboQuant scalar quantizer (``RR,SQtqmse4``), each
   search timed once right after the same search untimed; where the search keeps each query's best tiles of rows,
-  where its GPU time goes (tile maxima, the top tiles of each query, the exact scores of their rows);
+  where its GPU time goes (tile maxima, the top tiles of each query, the exact scores of their rows), and where
+  it bounds each query's k-th best by a sample, the GPU time of each step (the sample's tile maxima, the bound,
+  the filtering scan, the top candidates, their exact scores) and the rows a query kept;
 - IVF on the GPU (GloVe-50, nlist 1024): QPS and R@1@10 over nprobe.
 
 Results: ``gpu_search.json`` (rewritten after every measurement) and ``gpu_search.md`` in ``--out``.
@@ -173,13 +175,14 @@ def measure_flat(results: _run.Results, name: str, x: torch.Tensor, q_all: torch
             triton_ms = part(lambda: triton.scan(codes, k, mode=MODE_MAX)) if scorer._cuda_tiles(codes, nq) else None
             way, block_n, group, _ = scorer._candidates_plan(codes, k, nq)
             tiles = tile_breakdown(scorer, codes, k, block_n * group, group) if way == "tiles" else None
+            filtered = filter_breakdown(scorer, codes, k) if way == "filter" else None
             row = {"ms": ms, "eager_ms": eager_ms, "qps": nq / ms * 1e3, "code_TBps": code_bytes / ms / 1e9,
                    "exact_bf16_ms": exact_ms, "speedup_vs_exact_bf16": exact_ms / ms,
                    "scan_only_ms": scan_ms, "scan_topk_ms": fused_ms, "topk_overhead": fused_ms / scan_ms - 1,
                    "scan_timing": "events" if waits else "gpu",
                    "triton_scan_only_ms": triton_ms,
                    "recall_1_at_10": recall_1_at(I, top1[:nq]), "exact_bf16_recall_1_at_10": recall_1_at(Ie, top1[:nq]),
-                   **({"tiles": tiles} if tiles else {})}
+                   **({"tiles": tiles} if tiles else {}), **({"filter": filtered} if filtered else {})}
             section["rows"][key] = row
             results.save()
             print(f"{name} {encoder} {key}: {ms:.3f} ms ({row['code_TBps']:.2f} TB/s of codes), exact bf16 "
@@ -205,6 +208,28 @@ def tile_breakdown(scorer: Any, codes: Any, k: int, tile_rows: int, group: int) 
             "tile_maxima_ms": gpu_time(lambda: scorer.scan(codes, k, mode=MODE_TILE_MAX, group=group)),
             "top_tiles_ms": gpu_time(lambda: top_columns(maxima, kt, "triton")),
             "rescore_ms": gpu_time(lambda: scorer.rescore(None, codes, best, tile_rows))}
+
+
+def filter_breakdown(scorer: Any, codes: Any, k: int) -> dict[str, Any]:
+    """Where a search by a sampled bound spends its GPU time (graph replays of each step; the whole selection also
+    waits for the overflow check, which is left out here): the tile maxima of the sampled rows, their top
+    candidate_depth(k) per query (the bound), the filtering scan, the top candidates of what it kept and their exact
+    scores; with the rows sampled and the mean count of rows a query kept."""
+    from tqindex.kernels.scan_triton import MODE_FILTER, MODE_TILE_MAX, candidate_depth
+    from tqindex.topk import top_columns
+
+    kt, sample = candidate_depth(k), scorer._candidates_plan(codes, k, scorer.m)[3]
+    maxima = scorer.scan(codes[:sample], k, mode=MODE_TILE_MAX)[0]
+    bound = top_columns(maxima, kt, "triton")[0][:, -1]
+    vals, cand, _ = scorer.scan(codes, k, mode=MODE_FILTER, threshold=bound)
+    depth = min(kt, vals.shape[1])
+    best = top_columns(vals, depth, "triton", cand)[1]
+    return {"sampled_rows": sample, "kept_per_query": float((vals > float("-inf")).sum(1).float().mean()),
+            "sample_maxima_ms": gpu_time(lambda: scorer.scan(codes[:sample], k, mode=MODE_TILE_MAX)),
+            "bound_ms": gpu_time(lambda: top_columns(maxima, kt, "triton")),
+            "filter_scan_ms": gpu_time(lambda: scorer.scan(codes, k, mode=MODE_FILTER, threshold=bound)),
+            "top_candidates_ms": gpu_time(lambda: top_columns(vals, depth, "triton", cand)),
+            "rescore_ms": gpu_time(lambda: scorer.rescore(None, codes, best))}
 
 
 def measure_cpu(section: dict, index: tq.FlatIndex, x: torch.Tensor, q_all: torch.Tensor, top1: torch.Tensor,
@@ -322,6 +347,19 @@ def markdown(data: dict) -> str:
                 lines.append(f"| {key} | {t['tile_rows']} | {t['kept']} of {t['tiles']} | {r['scan_only_ms']:.3f} | "
                              f"{t['tile_maxima_ms']:.3f} | {t['top_tiles_ms']:.3f} | {t['rescore_ms']:.3f} | "
                              f"{r['scan_topk_ms']:.3f} |")
+        filtered = {key: r for key, r in sec["rows"].items() if "filter" in r}
+        if filtered:
+            lines += ["", "Where the searches by a sampled bound spend GPU time (graph replays of each step; the selection "
+                      "column also waits for the overflow check): the tile maxima of the sampled rows, the bound (their "
+                      "top tiles), the filtering scan, the top candidates of the rows it kept and their exact scores.",
+                      "", "| queries, k | rows sampled | rows kept per query | scan alone ms | sample maxima ms | "
+                      "bound ms | filtering scan ms | top candidates ms | re-scoring ms | selection ms |",
+                      "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+            for key, r in filtered.items():
+                f = r["filter"]
+                lines.append(f"| {key} | {f['sampled_rows']} | {f['kept_per_query']:.0f} | {r['scan_only_ms']:.3f} | "
+                             f"{f['sample_maxima_ms']:.3f} | {f['bound_ms']:.3f} | {f['filter_scan_ms']:.3f} | "
+                             f"{f['top_candidates_ms']:.3f} | {f['rescore_ms']:.3f} | {r['scan_topk_ms']:.3f} |")
     if data["ivf"].get("rows"):
         ivf = data["ivf"]
         lines += ["", f"## IVF on the GPU ({ivf['data']} tq4, {ivf['n']} rows, nlist {ivf['nlist']}, {ivf['nq']} queries, "

@@ -47,8 +47,8 @@ def test_attention_results_pages_are_their_json_rendered(monkeypatch, stem):
 
 @pytest.mark.parametrize("stem", ["gpu_search_h200", "gpu_search_h200_ahead", "gpu_search_h100"])
 def test_search_results_page_is_its_json_rendered(monkeypatch, stem):
-    """The committed GPU search pages show exactly what their JSON holds; a row with its tiles' breakdown gets a line
-    of it."""
+    """The committed GPU search pages show exactly what their JSON holds; a row with its tiles' breakdown, or with its
+    sampled bound's, gets a line of it."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import gpu_search
 
@@ -59,6 +59,42 @@ def test_search_results_page_is_its_json_rendered(monkeypatch, stem):
     row["tiles"] = {"tile_rows": 512, "tiles": 19532, "kept": 32, "tile_maxima_ms": 44.7, "top_tiles_ms": 1.83,
                     "rescore_ms": 2.51}
     assert f"| {key} | 512 | 32 of 19532 | {row['scan_only_ms']:.3f} | 44.700 | 1.830 | 2.510 |" in gpu_search.markdown(data)
+    row["filter"] = {"sampled_rows": 48750, "kept_per_query": 301.4, "sample_maxima_ms": 0.2, "bound_ms": 0.05,
+                     "filter_scan_ms": 4.1, "top_candidates_ms": 0.3, "rescore_ms": 0.25}
+    assert (f"| {key} | 48750 | 301 | {row['scan_only_ms']:.3f} | 0.200 | 0.050 | 4.100 | 0.300 | 0.250 | "
+            f"{row['scan_topk_ms']:.3f} |") in gpu_search.markdown(data)
+
+
+def test_filter_breakdown_times_the_steps_of_a_sampled_bound(monkeypatch):
+    """The sampled bound's breakdown (on CPU through Triton's interpreter, each step run once instead of timed): the
+    steps of the search's own selection, and every query keeps at least its candidate_depth(k) rows."""
+    import tqindex as tq
+    import tqindex.kernels.scan_triton as st
+    from tqindex import kernels
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not kernels.can_run("triton", device):
+        pytest.skip("triton cannot run here")
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_search
+
+    monkeypatch.setattr(gpu_search, "gpu_time", lambda fn: (fn(), 0.0)[1])
+    monkeypatch.setattr(st.scan_cuda, "reads", lambda *a: False)
+    monkeypatch.setattr(st, "SAMPLE_TILES", 1)
+    for tiles in ("TILES", "TILES_FILTER", "TILES_TILE_MAX"):  # 16-row tiles: enough of them to sample
+        monkeypatch.setattr(st, tiles, {q: (16, warps) for q, (_, warps) in getattr(st, tiles).items()})
+    g = torch.Generator().manual_seed(0)
+    x, q = torch.randn(3999, 64, generator=g).to(device), torch.randn(40, 64, generator=g).to(device)
+    index = tq.FlatIndex(tq.make_encoder("tq4", 64), device=device, backend="triton")
+    index.add(x)
+    codes = index._state.lists[0].live_codes
+    scorer = st.TritonScorer(index.encoder, index.encoder.rotate(q), False)
+    assert scorer._candidates_plan(codes, 5, 40)[0] == "filter"
+    f = gpu_search.filter_breakdown(scorer, codes, 5)
+    assert f["sampled_rows"] == 3999 // st.SAMPLE_FRACTION
+    assert st.candidate_depth(5) <= f["kept_per_query"] < 3999 / 2
+    assert all(f[key] == 0.0 for key in ("sample_maxima_ms", "bound_ms", "filter_scan_ms", "top_candidates_ms",
+                                         "rescore_ms"))
 
 
 @pytest.mark.parametrize("kind", ["dynamic", "tq4", "tq4+graph"])
