@@ -31,22 +31,21 @@ def seeded(model_cls: type, config) -> torch.nn.Module:
     return model_cls(config).eval()
 
 
+_TINY = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, initializer_range=0.1, pad_token_id=0, eos_token_id=None,
+)  # fmt: skip
+"""The tiny models' common shape: 4 layers, 4 query heads, 2 KV heads, hidden size 64."""
+
+
 def llama_config(**overrides) -> LlamaConfig:
     """Tiny Llama with GQA: 4 layers, 4 query heads, 2 KV heads, head_dim 32."""
-    kw = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=None,
-    )  # fmt: skip
-    return LlamaConfig(**{**kw, **overrides})
+    return LlamaConfig(**{**_TINY, "head_dim": 32, "bos_token_id": 1, **overrides})
 
 
 def gemma2_config(**overrides) -> Gemma2Config:
     """Tiny Gemma2: 4 layers alternating sliding-window (8 tokens) and full attention, soft-capped scores."""
-    kw = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, sliding_window=8, initializer_range=0.1, pad_token_id=0, eos_token_id=None,
-    )  # fmt: skip
-    return Gemma2Config(**{**kw, **overrides})
+    return Gemma2Config(**{**_TINY, "head_dim": 16, "sliding_window": 8, **overrides})
 
 
 def prompt(batch: int = 1, length: int = 12, seed: int = 1) -> torch.Tensor:
