@@ -177,6 +177,34 @@ def test_sampled_bound_then_filter(monkeypatch, room, nq):
     same_up_to_ties(*index.search(q, 10), D0, I0)
 
 
+@pytest.mark.parametrize("nq", [1, 3, 40])
+def test_filtering_scan_keeps_exactly_the_rows_reaching_the_threshold(monkeypatch, nq):
+    """The filtering scan keeps each row once whose score reaches its query's threshold, and no other; it counts
+    the rows past its room (which it does not write)."""
+    st = small_tiles(monkeypatch)
+    x, q = data(1000, 50, 21).to(DEVICE), data(nq, 50, 22).to(DEVICE)
+    index = flat("tq4", 50, "ip", x)
+    codes = index._state.lists[0].live_codes
+    scorer = st.TritonScorer(index.encoder, index.encoder.rotate(q), False)
+    monkeypatch.setattr(st, "CAPACITY_EXTRA", 1000)  # room for every row: all scores, by the lowest threshold
+    every, rows, over = scorer.scan(codes, 5, mode=st.MODE_FILTER, threshold=torch.full((nq,), -1e30, device=DEVICE))
+    assert not over.any() and torch.equal(rows[:, :1000].sort(1)[0].cpu(), torch.arange(1000).expand(nq, -1))
+    scores = torch.empty(nq, 1000, device=DEVICE).scatter_(1, rows[:, :1000].long(), every[:, :1000])
+    bound = scores.kthvalue(1000 - 30, 1)[0]  # about 31 rows of each query reach it
+    monkeypatch.setattr(st, "CAPACITY_EXTRA", 0)
+    monkeypatch.setattr(st, "CAPACITY_FACTOR", 1)  # room for 16 x 8 rows: none overflows
+    vals, kept, over = scorer.scan(codes, 5, mode=st.MODE_FILTER, threshold=bound)
+    assert vals.shape[1] == st.candidate_depth(5) * st.SAMPLE_FRACTION and not over.any()
+    for i in range(nq):
+        got = kept[i][vals[i] > float("-inf")].long()
+        assert torch.equal(got.sort()[0], torch.nonzero(scores[i] >= bound[i]).squeeze(1))
+        assert torch.equal(vals[i][vals[i] > float("-inf")], scores[i, got])
+    tight = scores.kthvalue(1000 - 500, 1)[0]  # 500 rows reach it: 128 fit
+    vals, kept, over = scorer.scan(codes, 5, mode=st.MODE_FILTER, threshold=tight)
+    assert over.all() and (vals > float("-inf")).sum(1).eq(vals.shape[1]).all()
+    assert all((scores[i, kept[i].long()] >= tight[i]).all() for i in range(nq))
+
+
 def test_batch_best_tiles_rescored(monkeypatch):
     """Past TILE_QUERIES queries, tiles of rows (groups of the kernel's row blocks; the last partial)
     keep each query's maximum where the rows re-scored are few enough: the maxima equal those of single blocks
@@ -230,17 +258,27 @@ def test_best_tiles_rescored(monkeypatch, nq, k, metric):
 
 
 @pytest.mark.parametrize("n, nq, way", [(100, 3, "topk"), (3999, 2, "tiles"), (3999, 40, "filter")])
-def test_candidates_synchronize_only_to_filter(monkeypatch, n, nq, way):
-    """``synchronizes`` says whether finding the candidates waits for the device: only the filtering scan does
-    (its check for overflowing queries); the running top-k and the best tiles only launch kernels."""
+def test_candidates_never_read_device_values(monkeypatch, n, nq, way):
+    """Finding the candidates only launches kernels (a CUDA graph can hold it): no path reads a device value on the
+    host, the filtering scan's overflow included (every query overflows here: room for candidate_depth(k) rows)."""
     st = small_tiles(monkeypatch)
     monkeypatch.setattr(st, "SAMPLE_FRACTION", 3)
-    checks = []
-    real = st.any_true
-    monkeypatch.setattr(st, "any_true", lambda flag: checks.append(1) or real(flag))
+    monkeypatch.setattr(st, "CAPACITY_FACTOR", 0)
+    monkeypatch.setattr(st, "CAPACITY_EXTRA", 0)
     index = flat("tq4", 64, "ip", data(n, 64, 17).to(DEVICE))
     codes = index._state.lists[0].live_codes
-    scorer = st.TritonScorer(index.encoder, index.encoder.rotate(data(nq, 64, 18).to(DEVICE)), False)
+    q = data(nq, 64, 18).to(DEVICE)
+    scorer = st.TritonScorer(index.encoder, index.encoder.rotate(q), False)
     assert scorer._candidates_plan(codes, 5, nq)[0] == way
-    scorer.candidates(codes, 5)
-    assert scorer.synchronizes(codes, 5) == bool(checks) == (way == "filter")
+
+    def read(*args):
+        raise AssertionError("a device value read on the host")
+
+    with monkeypatch.context() as m:
+        for name in ("__bool__", "item", "tolist"):
+            m.setattr(torch.Tensor, name, read)
+        scorer.candidates(codes, 5)
+    index.backend = "triton"
+    D, I = index.search(q, 5)
+    index.backend = "torch"
+    same_up_to_ties(D, I, *index.search(q, 5))

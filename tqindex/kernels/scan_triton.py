@@ -39,7 +39,6 @@ from ..codes import Codes
 from ..scorer import CodeRunList, Scorer
 from ..topk import TopK, top_columns
 from . import multiprocessors, scan_cuda
-from .graphs import any_true
 from .planes import RunLayout, cdiv, coordinates_on, next_power_of_2, run_layouts, to_planes
 
 TILES = {2: (256, 4), 16: (256, 8), 32: (64, 4), 64: (64, 4), 128: (64, 4), 256: (32, 4)}
@@ -282,26 +281,29 @@ def _insert(vals, idx, score, rows, KT: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _flat_scan_kernel(CODES, NORM, n, row_bytes, QP, qw, nq, QSCALE, MAG, OUT_V, OUT_I, rows_per_split, tile_rows,
-                      THR, thr_stride, COUNT, cap,
+                      THR, thr_stride, COUNT, cap, ACTIVE, out_split, out_k, out_q,
                       R0: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr, L2: tl.constexpr,
                       DECODE: tl.constexpr, KT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
                       T0, T1, T2, T3, T4, T5, T6, T7, T8, T9, T10, T11, MODE: tl.constexpr):
     """Program (query block, row split) over rows [split * rows_per_split, ...) for BLOCK_Q queries.
 
-    MODE 0 (top-k): the top-KT rows of each query, written to OUT_V / OUT_I [splits, KT, nq].
+    MODE 0 (top-k): the top-KT rows of each query, written to OUT_V / OUT_I at ``split * out_split + j * out_k + q *
+    out_q`` (j < KT); with ACTIVE (bool [nq]) only for its true queries: a block of none of them scans nothing.
     MODE 1 (filter): every row scoring at least THR[q * thr_stride] appended to OUT_V / OUT_I [nq, cap] at the query's
-    count COUNT[q] (atomic, one per query column and round: a tile's hits leave one per column per round;
-    rows past ``cap`` are counted, not written).
+    count COUNT[q] (one relaxed atomic per hit, in no fixed order; rows past ``cap`` are counted, not written).
     MODE 2: only each query's maximum (to time the scan alone).
     MODE 3 (tile maxima): each tile of ``tile_rows`` rows' maximum per query, OUT_V [tiles, nq] (tile = first row /
     tile_rows; tile_rows a multiple of BLOCK_N and a divisor of rows_per_split; other modes: rows_per_split)."""
     qb, sp = tl.program_id(0), tl.program_id(1)
     qcols = qb * BLOCK_Q + tl.arange(0, BLOCK_Q)
     qmask = qcols < nq
-    vals = tl.full((KT, BLOCK_Q), float("-inf"), tl.float32)
-    idx = tl.full((KT, BLOCK_Q), -1, tl.int32)
     start = sp * rows_per_split
     stop = tl.minimum(start + rows_per_split, n)
+    if ACTIVE is not None:
+        qmask = qmask & (tl.load(ACTIVE + qcols, mask=qmask, other=0) != 0)
+        stop = tl.where(tl.max(qmask.to(tl.int32), axis=0) > 0, stop, start)
+    vals = tl.full((KT, BLOCK_Q), float("-inf"), tl.float32)
+    idx = tl.full((KT, BLOCK_Q), -1, tl.int32)
     T = (T0, T1, T2, T3, T4, T5, T6, T7, T8, T9, T10, T11)
     if MODE == 1:
         thr = tl.load(THR + qcols * thr_stride, mask=qmask, other=float("inf"))
@@ -314,22 +316,14 @@ def _flat_scan_kernel(CODES, NORM, n, row_bytes, QP, qw, nq, QSCALE, MAG, OUT_V,
                                  R0, R1, R2, L2, DECODE, BLOCK_N, BLOCK_Q, T)
             if MODE == 0:
                 vals, idx = _insert(vals, idx, score, rows, KT, BLOCK_N)
-            elif MODE == 1:
-                # any hit in the tile (masked rows score -inf, thresholds are finite)
-                if tl.max(tl.max(tl.where(qmask[None, :], score - thr[None, :], float("-inf")), axis=0), axis=0) >= 0:
-                    hit = (score >= thr[None, :]) & qmask[None, :]
-                    left = tl.where(hit, score, float("-inf"))  # hits leave one per column per round
-                    best = tl.max(left, axis=0)
-                    while tl.max(best, axis=0) > float("-inf"):
-                        take = best > float("-inf")
-                        at_row = tl.argmax(left, axis=0)
-                        slot = tl.atomic_add(COUNT + qcols, 1, mask=take)
-                        ok = take & (slot < cap)
-                        at = qcols.to(tl.int64) * cap + slot
-                        tl.store(OUT_V + at, best, mask=ok)
-                        tl.store(OUT_I + at, r0 + at_row, mask=ok)
-                        left = tl.where(tl.arange(0, BLOCK_N)[:, None] == at_row[None, :], float("-inf"), left)
-                        best = tl.max(left, axis=0)
+            elif MODE == 1:  # each hit takes the next slot of its query's list
+                hit = (score >= thr[None, :]) & qmask[None, :]  # masked rows score -inf, thresholds are finite
+                slot = tl.atomic_add(COUNT + tl.broadcast_to(qcols[None, :], (BLOCK_N, BLOCK_Q)), 1, mask=hit,
+                                     sem="relaxed")
+                ok = hit & (slot < cap)
+                at = qcols[None, :].to(tl.int64) * cap + slot
+                tl.store(OUT_V + at, score, mask=ok)
+                tl.store(OUT_I + at, tl.broadcast_to(rows[:, None], (BLOCK_N, BLOCK_Q)), mask=ok)
             elif MODE == 2:
                 vals = tl.maximum(vals, tl.max(score, axis=0)[None, :])
             else:
@@ -337,7 +331,7 @@ def _flat_scan_kernel(CODES, NORM, n, row_bytes, QP, qw, nq, QSCALE, MAG, OUT_V,
         if MODE == 3:
             tl.store(OUT_V + (t0 // tile_rows) * nq + qcols, tmax, mask=qmask)
     if MODE == 0 or MODE == 2:
-        out = sp * KT * nq + tl.arange(0, KT)[:, None] * nq + qcols[None, :]
+        out = sp * out_split + tl.arange(0, KT)[:, None] * out_k + qcols[None, :] * out_q
         tl.store(OUT_V + out, vals, mask=qmask[None, :])
         tl.store(OUT_I + out, idx, mask=qmask[None, :])
 
@@ -585,10 +579,13 @@ class TritonScorer(Scorer):
 
     # -- flat -------------------------------------------------------------------------------------------
     def scan(self, codes: Codes, k: int, rows: Tensor | None = None, mode: int = MODE_TOPK,
-             threshold: Tensor | None = None, group: int = 1) -> tuple[Tensor, Tensor, Tensor | None]:
+             threshold: Tensor | None = None, group: int = 1, into: tuple[Tensor, Tensor, Tensor] | None = None
+             ) -> tuple[Tensor, Tensor, Tensor | None]:
         """The flat kernel over codes [n] for query rows ``rows`` (all when None) -> (approximate scores float32
         [m, c], their rows int32 [m, c] (score -inf: none), bool [m] or None). MODE_TOPK: each program's top
-        candidates; MODE_FILTER: the rows scoring at least ``threshold`` (float32 [m], any stride), and whether
+        candidates, or with ``into`` = (scores, rows, active) ([m, c], [m, c], bool [m]) written into the first columns
+        of the rows of the active queries only (fewer row splits if c needs it; the others' programs scan nothing);
+        MODE_FILTER: the rows scoring at least ``threshold`` (float32 [m], any stride), and whether
         a query had more than there was room for (overflow); MODE_MAX: each query's maximum only (to time the
         scan alone). MODE_TILE_MAX: each tile of ``group`` blocks of rows' maximum per query [m, tiles]; it and
         MODE_MAX run the CUDA kernel of ``scan_cuda`` (tiles of scan_cuda.TILE rows) where it reads the codes."""
@@ -605,15 +602,21 @@ class TritonScorer(Scorer):
         block_n, q_blocks = common["BLOCK_N"], cdiv(m, common["BLOCK_Q"])
         sms = multiprocessors(qp.device)
         splits = max(1, min(cdiv(n, 4 * block_n), cdiv(PROGRAMS_PER_SM * sms, q_blocks)))
+        if into is not None:  # kt columns per split
+            splits = min(splits, into[0].shape[1] // kt)
         span = block_n * (group if mode == MODE_TILE_MAX else 1)
         per_split = cdiv(cdiv(n, splits), span) * span
         splits = cdiv(n, per_split)
         count = cap = None
-        if mode == MODE_TILE_MAX:
+        strides = (kt * m, m, 1)  # [splits, kt, m]
+        if into is not None:
+            out_v, out_i, _ = into
+            strides = (kt, 1, out_v.stride(0))
+        elif mode == MODE_TILE_MAX:
             out_v = torch.empty(cdiv(n, span), m, device=qp.device)
             out_i = out_v  # not written
         elif mode == MODE_FILTER:
-            cap = CAPACITY_FACTOR * kt * SAMPLE_FRACTION + CAPACITY_EXTRA
+            cap = max(kt, CAPACITY_FACTOR * kt * SAMPLE_FRACTION + CAPACITY_EXTRA)
             out_v = torch.full((m, cap), float("-inf"), device=qp.device)  # -inf past each query's count
             out_i = torch.empty(m, cap, dtype=torch.int32, device=qp.device)
             count = torch.zeros(m, dtype=torch.int32, device=qp.device)
@@ -625,10 +628,12 @@ class TritonScorer(Scorer):
             qdata, norm, n, qdata.shape[1], qp, qp.shape[1], m, qscale, self.mags, out_v, out_i, per_split,
             span if mode == MODE_TILE_MAX else per_split,
             qscale if threshold is None else threshold, 1 if threshold is None else threshold.stride(0),
-            qscale if count is None else count, cap or 0, KT=kt, **common,
+            qscale if count is None else count, cap or 0, None if into is None else into[2], *strides, KT=kt, **common,
             **{f"T{i}": self.tables[i] for i in range(12)}, MODE=mode)
         if mode == MODE_FILTER:
             return out_v, out_i, count > cap
+        if into is not None:
+            return out_v, out_i, None
         if mode == MODE_TILE_MAX:
             return out_v.T, out_i.T, None
         return out_v.permute(2, 0, 1).reshape(m, -1), out_i.permute(2, 0, 1).reshape(m, -1), None
@@ -638,7 +643,7 @@ class TritonScorer(Scorer):
         are exact: a running top-k for small n; where few rows would be re-scored the rows of each query's best
         tiles (TILE_QUERIES, TILE_ROWS_MAX), scored exactly; else the top-k of a sample bounds the k-th best and a
         filtering scan keeps the rows that reach it (queries whose candidates overflow are scanned again with a
-        running top-k)."""
+        running top-k, on the device: nothing here waits for it)."""
         kt, m = candidate_depth(k), self.m if rows is None else len(rows)
         way, block_n, group, sample = self._candidates_plan(codes, k, m)
         if way == "topk":
@@ -649,16 +654,9 @@ class TritonScorer(Scorer):
         maxima, _, _ = self.scan(codes[:sample], k, rows, MODE_TILE_MAX)  # [m, tiles]
         bound = top_columns(maxima, kt, "triton")[0][:, -1]  # kt distinct rows reach it: <= the final kt-th best
         vals, cand, overflow = self.scan(codes, k, rows, MODE_FILTER, bound)
-        if any_true(overflow):  # rare: more rows reach the bound than there is room for
-            over = torch.nonzero(overflow).squeeze(1)
-            again = over if rows is None else rows[over]
-            v2, c2, _ = self.scan(codes, k, again)
-            width = max(vals.shape[1], v2.shape[1])
-            vals = torch.nn.functional.pad(vals, (0, width - vals.shape[1]), value=float("-inf"))
-            cand = torch.nn.functional.pad(cand, (0, width - cand.shape[1]), value=-1)
-            vals[over] = torch.nn.functional.pad(v2, (0, width - v2.shape[1]), value=float("-inf"))
-            cand[over] = torch.nn.functional.pad(c2, (0, width - c2.shape[1]), value=-1)
-        return vals, cand, False
+        # rare: more rows reach the bound than there is room for; those queries' rows are cleared and scanned again
+        vals.masked_fill_(overflow[:, None], float("-inf"))
+        return *self.scan(codes, k, rows, into=(vals, cand, overflow))[:2], False
 
     def _candidates_plan(self, codes: Codes, k: int, m: int) -> tuple[str, int, int, int]:
         """How :meth:`candidates` finds m queries' candidates over codes: "topk" (a running top-k), "tiles" (the
@@ -673,11 +671,6 @@ class TritonScorer(Scorer):
         if m * kt * block_n <= sample if m <= TILE_QUERIES else kt * block_n * group * BATCH_TILE_SHARE <= n:
             return "tiles", block_n, group, sample
         return "filter", block_n, group, sample
-
-    def synchronizes(self, codes: Codes, k: int) -> bool:
-        """Whether :meth:`candidates` of every query over codes waits for the device (the filtering scan's check
-        for overflowing queries); else it only launches kernels, and can be captured into a CUDA graph."""
-        return self._candidates_plan(codes, k, self.m)[0] == "filter"
 
     def push(self, codes: Codes, labels: Tensor | int, top: TopK, rows: Tensor | None = None,
              offset: Tensor | None = None, shift: Tensor | None = None) -> None:
