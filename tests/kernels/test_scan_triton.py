@@ -213,6 +213,7 @@ def test_batch_best_tiles_rescored(monkeypatch):
     monkeypatch.setattr(st, "SAMPLE_FRACTION", 3)
     monkeypatch.setattr(st, "TILE_ROWS_MAX", 64)
     monkeypatch.setattr(st, "BATCH_TILE_SHARE", 1)
+    monkeypatch.setattr(st, "BATCH_TILE_LIMIT", 1)
     x, q = data(1999, 64, 15).to(DEVICE), data(40, 64, 16).to(DEVICE)
     index = flat("tq4", 64, "ip", x)
     D0, I0 = index.search(q, 5)
@@ -233,9 +234,9 @@ def test_batch_tile_rows():
     at most 1 / BATCH_TILE_SHARE of the index, never below TILE_ROWS."""
     from tqindex.kernels.scan_triton import batch_tile_rows, candidate_depth
 
-    assert [batch_tile_rows(10_000_000, candidate_depth(k)) for k in (10, 100, 1000)] == [512, 256, 128]
+    assert [batch_tile_rows(10_000_000, candidate_depth(k)) for k in (10, 100, 1000)] == [512, 256, 32]
     assert batch_tile_rows(2_000_000, candidate_depth(10)) == 256  # 32 tiles of 512 rows: over 1 / 128 of the rows
-    assert batch_tile_rows(100_000, candidate_depth(10)) == 128
+    assert [batch_tile_rows(390_000, candidate_depth(k)) for k in (10, 100)] == [64, 32]
 
 
 @pytest.mark.parametrize("nq, k, metric", [(1, 10, "l2"), (2, 1, "ip"), (5, 5, "cosine")])

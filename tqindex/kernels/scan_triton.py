@@ -47,15 +47,16 @@ TILES = {2: (256, 4), 16: (256, 8), 32: (64, 4), 64: (64, 4), 128: (64, 4), 256:
 TILES_TOPK = {2: (256, 4), 16: (256, 8), 32: (64, 8), 64: (64, 8)}
 """The same where each query keeps a running top-k in registers (the flat top-k mode and the IVF lists):
 fewer queries per program and 8 warps, else the score tile, the decoded planes and the top-k state spill."""
-TILES_FILTER = {**TILES, 128: (32, 4), 256: (32, 8)}
-"""The same for the filtering scan and the tile maxima: 32-row tiles from 128 queries on, 8 warps
-at 256 (at 4 warps the filter's hit extraction spilled registers; on an H200 at 10M x 128 tq4 and 4096
+TILES_FILTER = {**TILES, 16: (64, 4), 128: (32, 4), 256: (32, 8)}
+"""The same for the filtering scan: 64-row tiles and 4 warps at 16 queries (on an H100, 390k x 50 tq4, 16 queries,
+GPU time: 0.047 ms against 0.063 with 256 rows and 8 warps, 0.058 with 128 and 4); 32-row tiles from 128 queries on,
+8 warps at 256 (at 4 warps the filter's hit extraction spilled registers; on an H200 at 10M x 128 tq4 and 4096
 queries its scan took 102 ms instead of 119, at 256 queries 6.8 instead of 8.2)."""
-TILES_TILE_MAX = {**TILES_FILTER, 256: (64, 4)}
-"""The same for the tile maxima: 64-row blocks and 4 warps at 256 queries (no hit extraction to spill). On an H200
-(10M x 128 tq4, GPU time of graph replays) the tile maxima of tiles of 128 rows took 56.9 ms for 4096 queries and
-3.64 ms for 256 against 68.6 and 4.34 with TILES_FILTER's 32 rows and 8 warps (32 rows and 4 warps: 58.3 and 3.69;
-64 rows and 8 warps: 90.3 and 5.50)."""
+TILES_TILE_MAX = {**TILES, 128: (32, 4), 256: (32, 4)}
+"""The same for the tile maxima: 32-row blocks and 4 warps from 128 queries on. On an H100 (390k x 50 tq4, GPU time)
+the tile maxima of 4096 queries over tiles of 64 rows took 1.72 ms in blocks of 32 rows against 2.09 in blocks of
+64; on an H200 (10M x 128 tq4, tiles of 128 rows) 58.3 ms for 4096 queries and 3.69 for 256 against 56.9 and 3.64
+in blocks of 64 (8 warps: 68.6 and 4.34 in blocks of 32, 90.3 and 5.50 in blocks of 64)."""
 MODE_TOPK, MODE_FILTER, MODE_MAX, MODE_TILE_MAX = 0, 1, 2, 3
 PROGRAMS_PER_SM = 4
 DECODE_GATHER, DECODE_SELECT, DECODE_PRMT = 0, 1, 2
@@ -290,7 +291,8 @@ def _flat_scan_kernel(CODES, NORM, n, row_bytes, QP, qw, nq, QSCALE, MAG, OUT_V,
     MODE 0 (top-k): the top-KT rows of each query, written to OUT_V / OUT_I at ``split * out_split + j * out_k + q *
     out_q`` (j < KT); with ACTIVE (bool [nq]) only for its true queries: a block of none of them scans nothing.
     MODE 1 (filter): every row scoring at least THR[q * thr_stride] appended to OUT_V / OUT_I [nq, cap] at the query's
-    count COUNT[q] (one relaxed atomic per hit, in no fixed order; rows past ``cap`` are counted, not written).
+    count COUNT[q], in no fixed order (rows past ``cap`` are counted, not written): up to 16 queries per program each
+    hit takes its slot by one atomic, else a tile's hits leave one per column per round of column maxima.
     MODE 2: only each query's maximum (to time the scan alone).
     MODE 3 (tile maxima): each tile of ``tile_rows`` rows' maximum per query, OUT_V [tiles, nq] (tile = first row /
     tile_rows; tile_rows a multiple of BLOCK_N and a divisor of rows_per_split; other modes: rows_per_split)."""
@@ -316,7 +318,7 @@ def _flat_scan_kernel(CODES, NORM, n, row_bytes, QP, qw, nq, QSCALE, MAG, OUT_V,
                                  R0, R1, R2, L2, DECODE, BLOCK_N, BLOCK_Q, T)
             if MODE == 0:
                 vals, idx = _insert(vals, idx, score, rows, KT, BLOCK_N)
-            elif MODE == 1:  # each hit takes the next slot of its query's list
+            elif MODE == 1 and BLOCK_Q <= 16:  # each hit takes the next slot of its query's list
                 hit = (score >= thr[None, :]) & qmask[None, :]  # masked rows score -inf, thresholds are finite
                 slot = tl.atomic_add(COUNT + tl.broadcast_to(qcols[None, :], (BLOCK_N, BLOCK_Q)), 1, mask=hit,
                                      sem="relaxed")
@@ -324,6 +326,20 @@ def _flat_scan_kernel(CODES, NORM, n, row_bytes, QP, qw, nq, QSCALE, MAG, OUT_V,
                 at = qcols[None, :].to(tl.int64) * cap + slot
                 tl.store(OUT_V + at, score, mask=ok)
                 tl.store(OUT_I + at, tl.broadcast_to(rows[:, None], (BLOCK_N, BLOCK_Q)), mask=ok)
+            elif MODE == 1:  # a tile's hits leave one per column per round (an atomic per hit costs more here)
+                if tl.max(tl.max(tl.where(qmask[None, :], score - thr[None, :], float("-inf")), axis=0), axis=0) >= 0:
+                    left = tl.where((score >= thr[None, :]) & qmask[None, :], score, float("-inf"))
+                    best = tl.max(left, axis=0)
+                    while tl.max(best, axis=0) > float("-inf"):
+                        take = best > float("-inf")
+                        at_row = tl.argmax(left, axis=0)
+                        slot = tl.atomic_add(COUNT + qcols, 1, mask=take, sem="relaxed")
+                        ok = take & (slot < cap)
+                        at = qcols.to(tl.int64) * cap + slot
+                        tl.store(OUT_V + at, best, mask=ok)
+                        tl.store(OUT_I + at, r0 + at_row, mask=ok)
+                        left = tl.where(tl.arange(0, BLOCK_N)[:, None] == at_row[None, :], float("-inf"), left)
+                        best = tl.max(left, axis=0)
             elif MODE == 2:
                 vals = tl.maximum(vals, tl.max(score, axis=0)[None, :])
             else:
@@ -515,18 +531,20 @@ their maxima), whose rows are then scored exactly; elsewhere the sampled bound a
 this many queries: TILE_ROWS_MAX). On an H200 (10M x 128 tq4, graph replays) 16 queries took 0.98 ms instead of 1.20
 at k = 10 and 1.10 instead of 1.22 at k = 100; at 390k x 50, where their rows re-scored would exceed the sample,
 0.32 and 0.46 ms instead of 0.30 and 0.32."""
-TILE_ROWS, TILE_ROWS_MAX, RESCORE_ROWS = 128, 512, 32768
+TILE_ROWS, TILE_ROWS_MAX, RESCORE_ROWS = 32, 512, 32768
 """Beyond TILE_QUERIES queries, tiles of rows (groups of the kernel's row blocks) keep their maxima where the rows
-re-scored per query (candidate_depth(k) tiles) are at most 1 / BATCH_TILE_SHARE of the rows: tiles of the most rows
-up to TILE_ROWS_MAX whose candidate_depth(k) tiles hold at most RESCORE_ROWS rows, fewer (down to TILE_ROWS) where
-the share needs it (:func:`batch_tile_rows`). On an H100 (10M x 128 tq4, 4096 queries; 256 queries in brackets)
+re-scored per query (candidate_depth(k) tiles) are at most 1 / BATCH_TILE_LIMIT of the rows: tiles of the most rows
+up to TILE_ROWS_MAX whose candidate_depth(k) tiles hold at most RESCORE_ROWS rows and 1 / BATCH_TILE_SHARE of the
+rows, fewer (down to TILE_ROWS) where the share needs it (:func:`batch_tile_rows`). On an H100 (10M x 128 tq4, 4096 queries; 256 queries in brackets)
 tiles of 128 / 256 / 512 rows took 64.1 / 54.1 / 50.3 ms (4.34 / 3.67 / 3.43) at k = 10 and 66.9 / 59.8 / 61.9
 (4.57 / 4.05 / 4.16) at k = 100, the scan alone 47.4 (3.05): larger tiles make the maxima and their top-k cheaper
 (tile maxima 56.4 / 48.6 / 44.7 ms, ``torch.topk`` 6.7 / 3.4 / 1.8) and the re-scoring dearer (0.6 / 1.3 / 2.5 at
 k = 10, 2.5 / 5.0 / 9.9 at k = 100). An earlier H200 run against the sampled bound and filtering scan: tiles of
-128 rows 84.6 ms at k = 10 and 96.5 at k = 100 instead of 114.6 and 150.6; at 390k x 50 (re-scored rows 1 / 47 of
-the index at k = 10) the tiles lost: 8.1 ms instead of 6.4."""
-BATCH_TILE_SHARE = 128
+128 rows 84.6 ms at k = 10 and 96.5 at k = 100 instead of 114.6 and 150.6. On an H100 at 390k x 50 (tq4, GPU time,
+4096 queries; 256 in brackets) tiles of 32 / 64 / 128 rows took 3.66 / 3.36 / 4.16 ms (0.304 / 0.283 / 0.331) at
+k = 10 and 5.22 / 6.44 / 10.2 (0.404 / 0.471 / 0.700) at k = 100, where the sampled bound took about 5.1 (0.46) and
+6.5 (0.57): re-scored rows of 1 / 95 of the index (k = 100, 32 rows) still won."""
+BATCH_TILE_SHARE, BATCH_TILE_LIMIT = 128, 64
 
 
 def batch_tile_rows(n: int, kt: int) -> int:
@@ -668,7 +686,7 @@ class TritonScorer(Scorer):
         sample = max(n // SAMPLE_FRACTION, SAMPLE_TILES * kt * block_n)
         if n <= 2 * sample:
             return "topk", block_n, group, sample
-        if m * kt * block_n <= sample if m <= TILE_QUERIES else kt * block_n * group * BATCH_TILE_SHARE <= n:
+        if m * kt * block_n <= sample if m <= TILE_QUERIES else kt * block_n * group * BATCH_TILE_LIMIT <= n:
             return "tiles", block_n, group, sample
         return "filter", block_n, group, sample
 
