@@ -81,7 +81,8 @@ def test_filter_breakdown_times_the_steps_of_a_sampled_bound(monkeypatch):
     monkeypatch.setattr(gpu_search, "gpu_time", lambda fn: (fn(), 0.0)[1])
     monkeypatch.setattr(st.scan_cuda, "reads", lambda *a: False)
     monkeypatch.setattr(st, "SAMPLE_TILES", 1)
-    for tiles in ("TILES", "TILES_FILTER", "TILES_TILE_MAX"):  # 16-row tiles: enough of them to sample
+    # 16-row tiles: enough of them to sample
+    for tiles in ("TILES", "TILES_FILTER", "TILES_TILE_MAX", "TILES_TILE_MAX_SHORT"):
         monkeypatch.setattr(st, tiles, {q: (16, warps) for q, (_, warps) in getattr(st, tiles).items()})
     g = torch.Generator().manual_seed(0)
     x, q = torch.randn(3999, 64, generator=g).to(device), torch.randn(40, 64, generator=g).to(device)

@@ -154,7 +154,7 @@ def small_tiles(monkeypatch):
 
     monkeypatch.setattr(st.scan_cuda, "reads", lambda *a: False)  # the Triton kernel's tiles (CUDA: 256 rows)
     monkeypatch.setattr(st, "SAMPLE_TILES", 1)
-    for tiles in ("TILES", "TILES_FILTER", "TILES_TILE_MAX"):
+    for tiles in ("TILES", "TILES_FILTER", "TILES_TILE_MAX", "TILES_TILE_MAX_SHORT"):
         monkeypatch.setattr(st, tiles, {q: (16, warps) for q, (_, warps) in getattr(st, tiles).items()})
     return st
 

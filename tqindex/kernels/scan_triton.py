@@ -52,11 +52,14 @@ TILES_FILTER = {**TILES, 16: (64, 4), 128: (32, 4), 256: (32, 8)}
 GPU time: 0.047 ms against 0.063 with 256 rows and 8 warps, 0.058 with 128 and 4); 32-row tiles from 128 queries on,
 8 warps at 256 (at 4 warps the filter's hit extraction spilled registers; on an H200 at 10M x 128 tq4 and 4096
 queries its scan took 102 ms instead of 119, at 256 queries 6.8 instead of 8.2)."""
-TILES_TILE_MAX = {**TILES, 128: (32, 4), 256: (32, 4)}
-"""The same for the tile maxima: 32-row blocks and 4 warps from 128 queries on. On an H100 (390k x 50 tq4, GPU time)
-the tile maxima of 4096 queries over tiles of 64 rows took 1.72 ms in blocks of 32 rows against 2.09 in blocks of
-64; on an H200 (10M x 128 tq4, tiles of 128 rows) 58.3 ms for 4096 queries and 3.69 for 256 against 56.9 and 3.64
-in blocks of 64 (8 warps: 68.6 and 4.34 in blocks of 32, 90.3 and 5.50 in blocks of 64)."""
+TILES_TILE_MAX = {**TILES, 128: (32, 4), 256: (64, 4)}
+"""The same for the tile maxima: 64-row blocks and 4 warps at 256 queries. On an H200 (10M x 128 tq4, GPU time of
+graph replays) the tile maxima of tiles of 128 rows took 56.9 ms for 4096 queries and 3.64 ms for 256 against 68.6
+and 4.34 with 32 rows and 8 warps (32 rows and 4 warps: 58.3 and 3.69; 64 rows and 8 warps: 90.3 and 5.50); on an
+H100 (tiles of 512 rows, 4096 queries) 44.4 ms against 50.4 with 32 rows and 4 warps."""
+TILES_TILE_MAX_SHORT, SHORT_CODES = {**TILES_TILE_MAX, 256: (32, 4)}, 32
+"""The same for codes of at most SHORT_CODES bytes a row: 32-row blocks at 256 queries. On an H100 (390k x 50 tq4,
+4096 queries, GPU time) the tile maxima of tiles of 64 rows took 1.72 ms against 2.09 in blocks of 64 rows."""
 MODE_TOPK, MODE_FILTER, MODE_MAX, MODE_TILE_MAX = 0, 1, 2, 3
 PROGRAMS_PER_SM = 4
 DECODE_GATHER, DECODE_SELECT, DECODE_PRMT = 0, 1, 2
@@ -585,7 +588,9 @@ class TritonScorer(Scorer):
 
     def _common(self, m: int, mode: int) -> dict:
         """Launch constants for m query rows in scan mode ``mode`` (TILES, TILES_TOPK, TILES_FILTER, TILES_TILE_MAX)."""
-        tiles = {MODE_TOPK: TILES_TOPK, MODE_FILTER: TILES_FILTER, MODE_TILE_MAX: TILES_TILE_MAX}.get(mode, TILES)
+        short = sum(RunLayout(*r).nbytes for r in self.runs) <= SHORT_CODES
+        tiles = {MODE_TOPK: TILES_TOPK, MODE_FILTER: TILES_FILTER,
+                 MODE_TILE_MAX: TILES_TILE_MAX_SHORT if short else TILES_TILE_MAX}.get(mode, TILES)
         block_q = 2 if m == 1 else min(max(tiles), max(16, next_power_of_2(m)))
         block_n, warps = tiles[block_q]
         return dict(R0=self.runs[0], R1=self.runs[1], R2=self.runs[2], L2=self.l2, DECODE=self.decode,
