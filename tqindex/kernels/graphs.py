@@ -12,8 +12,8 @@ hold their own buffers (at most ``limit`` shapes, the least recently used droppe
 one at a time, so concurrent searches stay correct. A search that cannot be recorded (it needs the host
 to read device values, as an IVF probe plan does) is remembered and always runs eagerly.
 
-A step that must look at device values only in rare cases (a query that fails validation, a filtering scan
-whose candidates overflowed) calls :func:`any_true`: while a graph is recorded it returns False and the flag
+A step that must look at device values only in rare cases (a query that fails validation) calls
+:func:`any_true`: while a graph is recorded it returns False and the flag
 is checked after every replay instead; where it is set, that search runs again without the graph. The checks
 of a graph are folded into one flag as they come, and an external event recorded in the graph right after the
 last of them (torch >= 2.8) marks where the host can read it: a replay returns as soon as that part of the
