@@ -538,15 +538,16 @@ TILE_ROWS, TILE_ROWS_MAX, RESCORE_ROWS = 32, 512, 32768
 """Beyond TILE_QUERIES queries, tiles of rows (groups of the kernel's row blocks) keep their maxima where the rows
 re-scored per query (candidate_depth(k) tiles) are at most 1 / BATCH_TILE_LIMIT of the rows: tiles of the most rows
 up to TILE_ROWS_MAX whose candidate_depth(k) tiles hold at most RESCORE_ROWS rows and 1 / BATCH_TILE_SHARE of the
-rows, fewer (down to TILE_ROWS) where the share needs it (:func:`batch_tile_rows`). On an H100 (10M x 128 tq4, 4096 queries; 256 queries in brackets)
-tiles of 128 / 256 / 512 rows took 64.1 / 54.1 / 50.3 ms (4.34 / 3.67 / 3.43) at k = 10 and 66.9 / 59.8 / 61.9
-(4.57 / 4.05 / 4.16) at k = 100, the scan alone 47.4 (3.05): larger tiles make the maxima and their top-k cheaper
-(tile maxima 56.4 / 48.6 / 44.7 ms, ``torch.topk`` 6.7 / 3.4 / 1.8) and the re-scoring dearer (0.6 / 1.3 / 2.5 at
-k = 10, 2.5 / 5.0 / 9.9 at k = 100). An earlier H200 run against the sampled bound and filtering scan: tiles of
-128 rows 84.6 ms at k = 10 and 96.5 at k = 100 instead of 114.6 and 150.6. On an H100 at 390k x 50 (tq4, GPU time,
-4096 queries; 256 in brackets) tiles of 32 / 64 / 128 rows took 3.66 / 3.36 / 4.16 ms (0.304 / 0.283 / 0.331) at
-k = 10 and 5.22 / 6.44 / 10.2 (0.404 / 0.471 / 0.700) at k = 100, where the sampled bound took about 5.1 (0.46) and
-6.5 (0.57): re-scored rows of 1 / 95 of the index (k = 100, 32 rows) still won."""
+rows, fewer (down to TILE_ROWS) where the share needs it (:func:`batch_tile_rows`). On an H100 (10M x 128 tq4, 4096
+queries; 256 queries in brackets) tiles of 128 / 256 / 512 rows took 64.1 / 54.1 / 50.3 ms (4.34 / 3.67 / 3.43)
+at k = 10 and 66.9 / 59.8 / 61.9 (4.57 / 4.05 / 4.16) at k = 100, the scan alone 47.4 (3.05): larger tiles make the
+maxima and their top-k cheaper (tile maxima 56.4 / 48.6 / 44.7 ms, ``torch.topk`` 6.7 / 3.4 / 1.8) and the
+re-scoring dearer (0.6 / 1.3 / 2.5 at k = 10, 2.5 / 5.0 / 9.9 at k = 100). An earlier H200 run against the sampled
+bound and filtering scan: tiles of 128 rows 84.6 ms at k = 10 and 96.5 at k = 100 instead of 114.6 and 150.6. On an
+H100 at 390k x 50 (tq4, GPU time, 4096 queries; 256 in brackets) tiles of 32 / 64 / 128 rows took 3.66 / 3.36 / 4.16
+ms (0.304 / 0.283 / 0.331) at k = 10 and 5.22 / 6.44 / 10.2 (0.404 / 0.471 / 0.700) at k = 100, where the sampled
+bound's steps summed to about 5.1 (0.46) and 6.5 (0.57): re-scored rows of 1 / 95 of the index (k = 100, 32 rows)
+still won."""
 BATCH_TILE_SHARE, BATCH_TILE_LIMIT = 128, 64
 
 
