@@ -570,7 +570,8 @@ RESCORE_BLOCK = 128
 """Candidate rows per program of the exact re-scoring."""
 CAPACITY_FACTOR, CAPACITY_EXTRA = 3, 256
 """Candidate room per query in the filtering scan: CAPACITY_FACTOR times the expected count plus
-CAPACITY_EXTRA; a query whose candidates overflow it is scanned again with the running top-k."""
+CAPACITY_EXTRA (at least candidate_depth(k)); a query whose candidates overflow it is scanned again with the running
+top-k, into the same room."""
 
 
 class TritonScorer(Scorer):
