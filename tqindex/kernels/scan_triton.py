@@ -587,12 +587,12 @@ class TritonScorer(Scorer):
                                                                           lambda: _scan_tables(encoder, qs.device))
         self.qp32, self.qp, self.qscale = planar_queries_triton(qs, [RunLayout(*r) for r in self.runs])
         self.decode = default_decode(qs.device) if decode is None else decode
+        self.short_codes = sum(RunLayout(*r).nbytes for r in self.runs) <= SHORT_CODES
 
     def _common(self, m: int, mode: int) -> dict:
         """Launch constants for m query rows in scan mode ``mode`` (TILES, TILES_TOPK, TILES_FILTER, TILES_TILE_MAX)."""
-        short = sum(RunLayout(*r).nbytes for r in self.runs) <= SHORT_CODES
-        tiles = {MODE_TOPK: TILES_TOPK, MODE_FILTER: TILES_FILTER,
-                 MODE_TILE_MAX: TILES_TILE_MAX_SHORT if short else TILES_TILE_MAX}.get(mode, TILES)
+        tile_max = TILES_TILE_MAX_SHORT if self.short_codes else TILES_TILE_MAX
+        tiles = {MODE_TOPK: TILES_TOPK, MODE_FILTER: TILES_FILTER, MODE_TILE_MAX: tile_max}.get(mode, TILES)
         block_q = 2 if m == 1 else min(max(tiles), max(16, next_power_of_2(m)))
         block_n, warps = tiles[block_q]
         return dict(R0=self.runs[0], R1=self.runs[1], R2=self.runs[2], L2=self.l2, DECODE=self.decode,
