@@ -165,3 +165,28 @@ def test_cuda_graphs_limits_what_is_recorded():
     for _ in range(graphs.RECORD_AT + 1):
         assert_same(index.search(qs[1], 5), first[1])
     assert not index._graphs._graphs
+
+
+def test_eager_searches_defer_their_checks():
+    """A search too large to record launches all its work before it looks at its checks, and waits for nothing
+    else on the device: a bad query still raises as before, a query that needs the exact-rescaling path is
+    searched again with checks that look at once."""
+    x, q = unit(20_000, 64, 1), unit(graphs.MAX_QUERIES + 1, 64, 2)
+    index, cos = flat(x), flat(x, metric="cosine")
+    expected = index.search(q, 5)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # a device read on the host raises (and the search is run again)
+    try:
+        results = [index.search(q, 5) for _ in range(2)]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for r in results:
+        assert_same(r, expected)
+    bad = q.clone()
+    bad[100, 7] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        index.search(bad, 5)
+    with pytest.raises(ValueError, match="norms outside"):
+        index.search(q * 2.0**70, 5)
+    assert_same(cos.search(q * 2.0**50, 5), cos.search(q, 5))
+    assert not index._graphs._graphs

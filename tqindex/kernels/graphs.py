@@ -19,6 +19,12 @@ of a graph are folded into one flag as they come, and an external event recorded
 last of them (torch >= 2.8) marks where the host can read it: a replay returns as soon as that part of the
 graph has run (a search's validation comes first), so the host prepares the next search while the GPU scans,
 as for any other asynchronous torch operation.
+
+Searches that run eagerly defer their checks the same way (:func:`checked`): the folded flag is copied to pinned
+host memory as it comes and an event follows the copy; the search launches all its work, then waits for that
+event only (the previous search's work and its own validation) and reads the copy. Without it a search waits at
+its validation for everything before it, and the GPU idles while the host launches its kernels: on an H100, 4096
+GloVe-50 queries (tq4, k = 10) took 4.43 ms per search issued back to back, 4.30 of them on the host.
 """
 
 from __future__ import annotations
@@ -45,11 +51,13 @@ _recording = threading.local()
 
 
 class _Check(NamedTuple):
-    """The deferred checks of a graph so far, folded into ``flag`` (bool, 0-dim), and the event recorded right
-    after it in the graph (None where torch cannot record one there)."""
+    """The deferred checks so far, folded into ``flag`` (bool, 0-dim), and the event recorded right after it (in a
+    graph: None where torch cannot record one there); eagerly, ``host``: its pinned copy, read once ``ready`` has
+    passed."""
 
     flag: Tensor
     ready: torch.cuda.Event | None
+    host: Tensor | None = None
 
 
 def _external_event() -> torch.cuda.Event | None:
@@ -64,16 +72,40 @@ def _external_event() -> torch.cuda.Event | None:
 
 
 def any_true(flag: Tensor) -> bool:
-    """``bool(flag.any())`` (one device sync); while this thread records a graph: False, and ``flag`` is
-    checked after each replay of that graph instead."""
+    """``bool(flag.any())`` (one device sync); while this thread records a graph or runs a search by
+    :func:`checked`: False, and ``flag`` is checked after the search instead."""
     checks = getattr(_recording, "checks", None)
     if checks is None:
         return bool(flag.any())
     seen = flag.any()
     if checks:
         seen |= checks[-1].flag
-    checks.append(_Check(seen, _external_event()))
+    if torch.cuda.is_current_stream_capturing():
+        checks.append(_Check(seen, _external_event()))
+    else:
+        host = torch.empty((), dtype=torch.bool, pin_memory=True)
+        host.copy_(seen, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        checks.append(_Check(seen, ready, host))
     return False
+
+
+def checked(search: Callable[[Tensor], tuple[Tensor, ...]], q: Tensor) -> tuple[Tensor, ...]:
+    """``search(q)`` on a CUDA device with its checks deferred (module notes): where one fires, or the search
+    raises, it runs again with checks that look at once (and raise where the input is bad)."""
+    _recording.checks = checks = []
+    try:
+        out = search(q)
+    except Exception:  # noqa: BLE001 - a step past a deferred check met what that check refuses
+        out = None
+    finally:
+        _recording.checks = None
+    if out is not None and checks:
+        checks[-1].ready.synchronize()
+        if bool(checks[-1].host):
+            out = None
+    return search(q) if out is None else out
 
 
 @dataclass
@@ -124,7 +156,7 @@ class SearchGraphs:
         RECORD_AT - 1 times ``key`` (the shape and options of the search) comes, recorded the next time,
         replayed after that. Returns new tensors (never the graph's buffers)."""
         if len(q) > MAX_QUERIES or not self.limit:
-            return search(q)
+            return checked(search, q)
         with self._lock:
             if state is not self._state:
                 self._state, self._graphs = state, OrderedDict()
@@ -138,7 +170,7 @@ class SearchGraphs:
             if isinstance(entry, _Graph):
                 out, redo = entry.replay(q)
                 return search(q) if redo else out
-        return search(q)
+        return checked(search, q)
 
     def __reduce__(self) -> tuple:
         """Copies and pickles start empty (recorded graphs are bound to their buffers)."""
