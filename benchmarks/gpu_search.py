@@ -14,7 +14,9 @@ Every number comes from one run on one GPU:
   (``cuda_graphs = 0``), QPS, achieved bandwidth on code bytes, R@1@10 against exact
   float32 search; beside it exact ``torch.topk(q @ x.T)`` in bf16 (query chunks of 1024), the scan
   alone (its top-k merge left out, so the fused top-k's cost shows; where the CUDA tile-maxima kernel scans,
-  the Triton kernel's scan alone beside it) and the scan with its candidates' selection, both in GPU time
+  the Triton kernel's scan alone beside it), the scan with its candidates' selection and the whole selection (the
+  candidates, their exact scores and the final top-k: the top-k cost is its share over the scan alone; older runs
+  counted the candidates only), all in GPU time
   (``_gpu.gpu_time``: CUDA graph replays, no host launch time; older runs timed selections that waited for the device
   with CUDA events, marked "events"), and, for scale, the same index
   searched on the machine's CPU cores and faiss-cpu's TurboQuant scalar quantizer (``RR,SQtqmse4``), each
@@ -149,6 +151,7 @@ def measure_flat(results: _run.Results, name: str, x: torch.Tensor, q_all: torch
     code_bytes = len(x) * index.encoder.code_size
     xb = x.bfloat16()
     from tqindex.kernels.scan_triton import MODE_MAX, TritonScorer
+    from tqindex.topk import make_topk
 
     codes = index._state.lists[0].live_codes
     for nq in QUERY_COUNTS:
@@ -169,6 +172,7 @@ def measure_flat(results: _run.Results, name: str, x: torch.Tensor, q_all: torch
             scorer = TritonScorer(index.encoder, qs, False)
             scan_ms = gpu_time(lambda: scorer.scan(codes, k, mode=MODE_MAX))
             fused_ms = gpu_time(lambda: scorer.candidates(codes, k))
+            selection_ms = gpu_time(lambda: scorer.push(codes, 0, make_topk(nq, k, x.device, "triton")))
             triton = TritonScorer(index.encoder, qs, False, cuda=False)  # beside the CUDA tile maxima, where they run
             triton_ms = gpu_time(lambda: triton.scan(codes, k, mode=MODE_MAX)) if scorer._cuda_tiles(codes, nq) else None
             way, block_n, group, _ = scorer._candidates_plan(codes, k, nq)
@@ -176,7 +180,8 @@ def measure_flat(results: _run.Results, name: str, x: torch.Tensor, q_all: torch
             filtered = filter_breakdown(scorer, codes, k) if way == "filter" else None
             row = {"ms": ms, "eager_ms": eager_ms, "qps": nq / ms * 1e3, "code_TBps": code_bytes / ms / 1e9,
                    "exact_bf16_ms": exact_ms, "speedup_vs_exact_bf16": exact_ms / ms,
-                   "scan_only_ms": scan_ms, "scan_topk_ms": fused_ms, "topk_overhead": fused_ms / scan_ms - 1,
+                   "scan_only_ms": scan_ms, "scan_topk_ms": fused_ms, "selection_ms": selection_ms,
+                   "topk_overhead": selection_ms / scan_ms - 1,
                    "triton_scan_only_ms": triton_ms,
                    "recall_1_at_10": recall_1_at(I, top1[:nq]), "exact_bf16_recall_1_at_10": recall_1_at(Ie, top1[:nq]),
                    **({"tiles": tiles} if tiles else {}), **({"filter": filtered} if filtered else {})}
@@ -335,29 +340,33 @@ def markdown(data: dict) -> str:
         tiled = {key: r for key, r in sec["rows"].items() if "tiles" in r}
         if tiled:
             lines += ["", "Where the searches by best tiles spend GPU time (graph replays): the tile maxima, the top tiles "
-                      "of each query, the exact scores of their rows; beside them the scan alone and the whole selection "
-                      "(scan with its candidates' selection).", "",
+                      "of each query, the exact scores of their rows; beside them the scan alone, the candidates (scan "
+                      "with its candidates' selection) and, where measured, the whole selection (with the final "
+                      "top-k).", "",
                       "| queries, k | tile rows | tiles kept of | scan alone ms | tile maxima ms | top tiles ms | "
-                      "re-scoring ms | selection ms |", "|---|--:|--:|--:|--:|--:|--:|--:|"]
+                      "re-scoring ms | candidates ms | selection ms |", "|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
             for key, r in tiled.items():
                 t = r["tiles"]
+                whole = f"{r['selection_ms']:.3f}" if "selection_ms" in r else ""
                 lines.append(f"| {key} | {t['tile_rows']} | {t['kept']} of {t['tiles']} | {r['scan_only_ms']:.3f} | "
                              f"{t['tile_maxima_ms']:.3f} | {t['top_tiles_ms']:.3f} | {t['rescore_ms']:.3f} | "
-                             f"{r['scan_topk_ms']:.3f} |")
+                             f"{r['scan_topk_ms']:.3f} | {whole} |")
         filtered = {key: r for key, r in sec["rows"].items() if "filter" in r}
         if filtered:
             lines += ["", "Where the searches by a sampled bound spend GPU time (graph replays of each step; the selection "
                       "column also holds the launch that scans again the queries whose candidates overflowed): the tile "
                       "maxima of the sampled rows, the bound (their top tiles), the filtering scan, the top candidates of "
-                      "the rows it kept and their exact scores.",
+                      "the rows it kept and their exact scores; beside them the candidates and, where measured, the whole "
+                      "selection (with the final top-k).",
                       "", "| queries, k | rows sampled | rows kept per query | scan alone ms | sample maxima ms | "
-                      "bound ms | filtering scan ms | top candidates ms | re-scoring ms | selection ms |",
-                      "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+                      "bound ms | filtering scan ms | top candidates ms | re-scoring ms | candidates ms | selection ms |",
+                      "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
             for key, r in filtered.items():
                 f = r["filter"]
+                whole = f"{r['selection_ms']:.3f}" if "selection_ms" in r else ""
                 lines.append(f"| {key} | {f['sampled_rows']} | {f['kept_per_query']:.0f} | {r['scan_only_ms']:.3f} | "
                              f"{f['sample_maxima_ms']:.3f} | {f['bound_ms']:.3f} | {f['filter_scan_ms']:.3f} | "
-                             f"{f['top_candidates_ms']:.3f} | {f['rescore_ms']:.3f} | {r['scan_topk_ms']:.3f} |")
+                             f"{f['top_candidates_ms']:.3f} | {f['rescore_ms']:.3f} | {r['scan_topk_ms']:.3f} | {whole} |")
     if data["ivf"].get("rows"):
         ivf = data["ivf"]
         lines += ["", f"## IVF on the GPU ({ivf['data']} tq4, {ivf['n']} rows, nlist {ivf['nlist']}, {ivf['nq']} queries, "
