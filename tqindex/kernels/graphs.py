@@ -24,7 +24,8 @@ Searches that run eagerly defer their checks the same way (:func:`checked`): the
 host memory as it comes and an event follows the copy; the search launches all its work, then waits for that
 event only (the previous search's work and its own validation) and reads the copy. Without it a search waits at
 its validation for everything before it, and the GPU idles while the host launches its kernels: on an H100, 4096
-GloVe-50 queries (tq4, k = 10) took 4.43 ms per search issued back to back, 4.30 of them on the host.
+GloVe-50 queries (tq4, k = 10) took 4.43 ms per search issued back to back (4.30 of them on the host) where they took
+3.82 with the checks deferred.
 """
 
 from __future__ import annotations
