@@ -95,13 +95,14 @@ def any_true(flag: Tensor) -> bool:
 def checked(search: Callable[[Tensor], tuple[Tensor, ...]], q: Tensor) -> tuple[Tensor, ...]:
     """``search(q)`` on a CUDA device with its checks deferred (module notes): where one fires, or the search
     raises, it runs again with checks that look at once (and raise where the input is bad)."""
-    _recording.checks = checks = []
+    outer, _recording.checks = getattr(_recording, "checks", None), []
+    checks = _recording.checks
     try:
         out = search(q)
     except Exception:  # noqa: BLE001 - a step past a deferred check met what that check refuses
         out = None
     finally:
-        _recording.checks = None
+        _recording.checks = outer  # a search inside another's (sub-indexes) hands the outer one its checks back
     if out is not None and checks:
         checks[-1].ready.synchronize()
         if bool(checks[-1].host):
