@@ -95,8 +95,8 @@ def any_true(flag: Tensor) -> bool:
 def checked(search: Callable[[Tensor], tuple[Tensor, ...]], q: Tensor) -> tuple[Tensor, ...]:
     """``search(q)`` on a CUDA device with its checks deferred (module notes): where one fires, or the search
     raises, it runs again with checks that look at once (and raise where the input is bad)."""
-    outer, _recording.checks = getattr(_recording, "checks", None), []
-    checks = _recording.checks
+    outer = getattr(_recording, "checks", None)
+    _recording.checks = checks = []
     try:
         out = search(q)
     except Exception:  # noqa: BLE001 - a step past a deferred check met what that check refuses
