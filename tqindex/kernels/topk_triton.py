@@ -11,9 +11,8 @@ columns.
 of a few queries make one to three such calls. On an H200 (CUDA graphs, launches included; pieces of 1024 keys,
 PIECE notes) one row of 39,063 tile maxima took 12.7 µs for k = 32 (``torch.topk`` 46.8) and 26.5 µs for k = 128
 (54.4), 16 such rows 29 and 51 µs (69 and 71), one row of 8,192 scores 6.4 µs for k = 10 (20.6 as a single piece of
-8,192). For many rows
-``torch.topk`` is faster (256 rows of 39,063: 187 µs against 270), so :func:`fits` takes at most MAX_ROWS rows. The
-reference is ``torch.topk(x, k, dim=1)``.
+8,192). For many rows ``torch.topk`` is faster (256 rows of 39,063: 187 µs against 270), so :func:`fits` takes at
+most MAX_ROWS rows. The reference is ``torch.topk(x, k, dim=1)``.
 """
 
 from __future__ import annotations
