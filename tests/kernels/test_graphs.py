@@ -35,6 +35,18 @@ def assert_same(a, b):
     assert torch.equal(a[1], b[1])
 
 
+def assert_checks_hold(index, cos, q):
+    """Queries q [>= 2, 64]: one with a NaN, or all with norms beyond an "ip" index's range, raise; "cosine" queries
+    that need the exact-rescaling path get their unit rows' results."""
+    bad = q.clone()
+    bad[1, 7] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        index.search(bad, 5)
+    with pytest.raises(ValueError, match="norms outside"):
+        index.search(q * 2.0**70, 5)
+    assert_same(cos.search(q * 2.0**50, 5), cos.search(q, 5))
+
+
 @pytest.mark.parametrize("metric", ["ip", "l2", "cosine"])
 def test_replay_equals_eager(metric):
     x = unit(70_001, 60, 1) * (2.0 if metric == "l2" else 1.0)
@@ -136,13 +148,7 @@ def test_replays_validate_their_queries():
         for _ in range(graphs.RECORD_AT):
             i.search(q, 5)
     assert recorded(index) == recorded(cos) == [((3, 64), torch.float32, 5)]
-    bad = q.clone()
-    bad[1, 7] = float("nan")
-    with pytest.raises(ValueError, match="NaN"):
-        index.search(bad, 5)
-    with pytest.raises(ValueError, match="norms outside"):
-        index.search(q * 2.0**70, 5)
-    assert_same(cos.search(q * 2.0**50, 5), cos.search(q, 5))  # unit rows by the rescaling path
+    assert_checks_hold(index, cos, q)
     D, I = index.search(q.cpu().numpy(), 5)  # numpy in, numpy out, through the graph of the same shape
     assert torch.equal(torch.from_numpy(I), index.search(q, 5)[1].cpu())
 
@@ -182,11 +188,5 @@ def test_eager_searches_defer_their_checks():
         torch.cuda.set_sync_debug_mode("default")
     for r in results:
         assert_same(r, expected)
-    bad = q.clone()
-    bad[100, 7] = float("nan")
-    with pytest.raises(ValueError, match="NaN"):
-        index.search(bad, 5)
-    with pytest.raises(ValueError, match="norms outside"):
-        index.search(q * 2.0**70, 5)
-    assert_same(cos.search(q * 2.0**50, 5), cos.search(q, 5))
+    assert_checks_hold(index, cos, q)
     assert not index._graphs._graphs
