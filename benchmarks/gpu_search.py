@@ -307,6 +307,22 @@ def measure_ivf(results: _run.Results, x: torch.Tensor, q_all: torch.Tensor, qui
 # report
 
 
+def _breakdown(rows: dict, part: str, intro: str, head: list[str], cells: Callable[[dict, dict], list[str]]
+               ) -> list[str]:
+    """Page lines of the breakdown ``part`` ("tiles" or "filter") of the rows that hold one: ``intro``, then a table of
+    the columns ``head`` (``cells(row[part], row)`` of each row) between the row's key and its candidates and (where
+    measured) whole selection."""
+    chosen = {key: r for key, r in rows.items() if part in r}
+    if not chosen:
+        return []
+    lines = ["", intro, "", f"| queries, k | {' | '.join(head)} | candidates ms | selection ms |",
+             "|---|" + "--:|" * (len(head) + 2)]
+    for key, r in chosen.items():
+        whole = f"{r['selection_ms']:.3f}" if "selection_ms" in r else ""
+        lines.append(f"| {key} | {' | '.join(cells(r[part], r))} | {r['scan_topk_ms']:.3f} | {whole} |")
+    return lines
+
+
 def markdown(data: dict) -> str:
     env = data["env"]
     lines = [f"# GPU search on {env.get('gpu', '?')}", "",
@@ -337,36 +353,24 @@ def markdown(data: dict) -> str:
                          f"{r['exact_bf16_ms']:.3f} | {r['speedup_vs_exact_bf16']:.2f}x | {r['scan_only_ms']:.3f} | "
                          f"{triton} | {100 * r['topk_overhead']:+.0f} %{timing} | {r['recall_1_at_10']:.3f} | {cpu} | "
                          f"{fs} |")
-        tiled = {key: r for key, r in sec["rows"].items() if "tiles" in r}
-        if tiled:
-            lines += ["", "Where the searches by best tiles spend GPU time (graph replays): the tile maxima, the top tiles "
-                      "of each query, the exact scores of their rows; beside them the scan alone, the candidates (scan "
-                      "with its candidates' selection) and, where measured, the whole selection (with the final "
-                      "top-k).", "",
-                      "| queries, k | tile rows | tiles kept of | scan alone ms | tile maxima ms | top tiles ms | "
-                      "re-scoring ms | candidates ms | selection ms |", "|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
-            for key, r in tiled.items():
-                t = r["tiles"]
-                whole = f"{r['selection_ms']:.3f}" if "selection_ms" in r else ""
-                lines.append(f"| {key} | {t['tile_rows']} | {t['kept']} of {t['tiles']} | {r['scan_only_ms']:.3f} | "
-                             f"{t['tile_maxima_ms']:.3f} | {t['top_tiles_ms']:.3f} | {t['rescore_ms']:.3f} | "
-                             f"{r['scan_topk_ms']:.3f} | {whole} |")
-        filtered = {key: r for key, r in sec["rows"].items() if "filter" in r}
-        if filtered:
-            lines += ["", "Where the searches by a sampled bound spend GPU time (graph replays of each step; the selection "
-                      "column also holds the launch that scans again the queries whose candidates overflowed): the tile "
-                      "maxima of the sampled rows, the bound (their top tiles), the filtering scan, the top candidates of "
-                      "the rows it kept and their exact scores; beside them the candidates and, where measured, the whole "
-                      "selection (with the final top-k).",
-                      "", "| queries, k | rows sampled | rows kept per query | scan alone ms | sample maxima ms | "
-                      "bound ms | filtering scan ms | top candidates ms | re-scoring ms | candidates ms | selection ms |",
-                      "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
-            for key, r in filtered.items():
-                f = r["filter"]
-                whole = f"{r['selection_ms']:.3f}" if "selection_ms" in r else ""
-                lines.append(f"| {key} | {f['sampled_rows']} | {f['kept_per_query']:.0f} | {r['scan_only_ms']:.3f} | "
-                             f"{f['sample_maxima_ms']:.3f} | {f['bound_ms']:.3f} | {f['filter_scan_ms']:.3f} | "
-                             f"{f['top_candidates_ms']:.3f} | {f['rescore_ms']:.3f} | {r['scan_topk_ms']:.3f} | {whole} |")
+        lines += _breakdown(
+            sec["rows"], "tiles", "Where the searches by best tiles spend GPU time (graph replays): the tile maxima, the "
+            "top tiles of each query, the exact scores of their rows; beside them the scan alone, the candidates (scan "
+            "with its candidates' selection) and, where measured, the whole selection (with the final top-k).",
+            ["tile rows", "tiles kept of", "scan alone ms", "tile maxima ms", "top tiles ms", "re-scoring ms"],
+            lambda t, r: [str(t["tile_rows"]), f"{t['kept']} of {t['tiles']}", f"{r['scan_only_ms']:.3f}",
+                          f"{t['tile_maxima_ms']:.3f}", f"{t['top_tiles_ms']:.3f}", f"{t['rescore_ms']:.3f}"])
+        lines += _breakdown(
+            sec["rows"], "filter", "Where the searches by a sampled bound spend GPU time (graph replays of each step; "
+            "the selection column also holds the launch that scans again the queries whose candidates overflowed): the "
+            "tile maxima of the sampled rows, the bound (their top tiles), the filtering scan, the top candidates of the "
+            "rows it kept and their exact scores; beside them the candidates and, where measured, the whole selection "
+            "(with the final top-k).",
+            ["rows sampled", "rows kept per query", "scan alone ms", "sample maxima ms", "bound ms", "filtering scan ms",
+             "top candidates ms", "re-scoring ms"],
+            lambda f, r: [str(f["sampled_rows"]), f"{f['kept_per_query']:.0f}", f"{r['scan_only_ms']:.3f}",
+                          f"{f['sample_maxima_ms']:.3f}", f"{f['bound_ms']:.3f}", f"{f['filter_scan_ms']:.3f}",
+                          f"{f['top_candidates_ms']:.3f}", f"{f['rescore_ms']:.3f}"])
     if data["ivf"].get("rows"):
         ivf = data["ivf"]
         lines += ["", f"## IVF on the GPU ({ivf['data']} tq4, {ivf['n']} rows, nlist {ivf['nlist']}, {ivf['nq']} queries, "
