@@ -167,7 +167,9 @@ def test_queries_of_any_scale(q_scale):
 
 def test_cuda_kernel_splits():
     """The CUDA kernel's splits: at least SPLIT_TOKENS tokens each, unless that leaves multiprocessors idle, then
-    down to FILL_TOKENS (at most one block per multiprocessor); merged steps aim at fewer blocks."""
+    down to FILL_TOKENS (at most one block per multiprocessor); merged steps aim at fewer blocks. Where the
+    multiprocessors get more than one block each, the count between half and twice the aim that shares them most
+    evenly."""
     from tqindex.kernels.attention_cuda import FILL_TOKENS, SPLIT_TOKENS, splits
 
     sms = 132
@@ -178,8 +180,12 @@ def test_cuda_kernel_splits():
                 per = -(-tokens // n)
                 assert n >= 1 and (per >= min(tokens, FILL_TOKENS))
                 assert per >= min(tokens, SPLIT_TOKENS) or n * pairs <= sms + pairs
-    assert [splits(4096, 8, sms, True), splits(16384, 8, sms, True), splits(65536, 8, sms, True)] == [16, 17, 33]
-    assert [splits(4096, 64, sms, False), splits(16384, 64, sms, False), splits(65536, 64, sms, False)] == [4, 16, 17]
+    # 16k tokens, 8 pairs: filling 132 multiprocessors takes 17 splits, two blocks on four of them; 16 fit once
+    assert [splits(4096, 8, sms, True), splits(16384, 8, sms, True), splits(65536, 8, sms, True)] == [16, 16, 33]
+    assert [splits(4096, 64, sms, False), splits(16384, 64, sms, False)] == [4, 16]
+    # 64 pairs x the aim's 17 splits: 8 or 9 blocks per multiprocessor; 33 splits: 16 on every one
+    assert splits(65536, 64, sms, False) == splits(131072, 64, sms, False) == 33
+    assert splits(16384, 256, sms, False) == 5  # no count in 2..10 shares 256 pairs more evenly: the aim
 
 
 def test_prefill_chunk_over_a_compressed_past_is_causal():

@@ -554,8 +554,8 @@ void decode_launch(int64_t qp, int64_t qsc, int64_t kc, int64_t ks, int64_t vc, 
       cudaFuncSetAttribute(decode_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM) == cudaSuccess;
   (void)opted;
   const dim3 grid((unsigned)bh, (unsigned)((rows + ROWS - 1) / ROWS), (unsigned)splits_c);
-  const Table kt{(uint32_t)ktab[0], (uint32_t)ktab[1], (uint32_t)ktab[2], (uint32_t)ktab[3]};
-  const Table vt{(uint32_t)vtab[0], (uint32_t)vtab[1], (uint32_t)vtab[2], (uint32_t)vtab[3]};
+  const Table kt{(uint32_t)ktab[0], (uint32_t)ktab[1], (uint32_t)ktab[2], (uint32_t)ktab[3], 1u << 16};
+  const Table vt{(uint32_t)vtab[0], (uint32_t)vtab[1], (uint32_t)vtab[2], (uint32_t)vtab[3], 1u << 16};
   (counters ? decode_kernel<true> : decode_kernel<false>)<<<grid, WARPS * 32, SMEM,
                                                            reinterpret_cast<cudaStream_t>(stream)>>>(
       reinterpret_cast<const __half*>(qp), reinterpret_cast<const float*>(qsc), reinterpret_cast<const uint8_t*>(kc),
