@@ -119,10 +119,11 @@ def test_a_failed_cuda_build_warns_once_and_leaves_the_splits_to_triton(monkeypa
 
     monkeypatch.setattr(cpp, "load_inline", broken)
     attention_cuda._module.cache_clear()
+    combo = (128, attention_cuda.TQ4, attention_cuda.TQ4, *attention_cuda.ring(128, attention_cuda.TQ4))
     try:
         with pytest.warns(RuntimeWarning, match="could not be built.*nvcc exited"):
-            assert attention_cuda._module(128, attention_cuda.TQ4, attention_cuda.TQ4, 4) is None
-        assert attention_cuda._module(128, attention_cuda.TQ4, attention_cuda.TQ4, 4) is None  # cached: no warning
+            assert attention_cuda._module(*combo) is None
+        assert attention_cuda._module(*combo) is None  # cached: no warning
     finally:
         attention_cuda._module.cache_clear()
 

@@ -1,7 +1,7 @@
 // Split-K decode attention over 4-bit value codes and 4- or 8-bit key codes, CUDA C++. Built once per head dim
-// D, pair of code kinds and ring depth (macros TQ_D, TQ_KEYS, TQ_VALUES, TQ_STAGES): keys are 4-bit direction
-// codes with float16 norms (tq4), FP4 E2M1 codes with UE8M0 exponents per group of 32 (fp4) or 8-bit direction
-// codes with float16 norms (tq8); values are tq4 or fp4 codes.
+// D, pair of code kinds, ring depth and tiles per step (macros TQ_D, TQ_KEYS, TQ_VALUES, TQ_RING, TQ_PER): keys
+// are 4-bit direction codes with float16 norms (tq4), FP4 E2M1 codes with UE8M0 exponents per group of 32 (fp4)
+// or 8-bit direction codes with float16 norms (tq8); values are tq4 or fp4 codes.
 //
 // A block takes one (batch row x KV head, block of up to 8 query rows, split of the compressed tokens); each of its
 // WARPS warps takes every WARPS-th tile of 16 tokens of the split and keeps its own online softmax. Tokens are on
@@ -22,9 +22,10 @@
 // conflict. FP4 levels are multiplied (f16x2) by 2^(group exponent - the token's largest), exact down to 2^-24,
 // and 2^(largest - 127) is folded like a norm. The probabilities' fragment (C layout, tokens on rows) becomes the
 // B operand of the second product by two movmatrix transposes. Key norms and query scales are applied to the
-// score fragment, value norms to the probabilities. Each warp streams its tiles through its own ring of STAGES
+// score fragment, value norms to the probabilities. Each warp streams its tiles through its own ring of RING
 // shared-memory stages filled by 16-byte cp.async copies (codes, and the 16-byte-aligned runs holding the side
-// data): STAGES - 1 tiles are in flight while one is computed.
+// data) and computes PER tiles per step with one update of its online softmax for them all (more independent work
+// between the softmax's shuffles): RING - PER tiles are in flight while PER are computed.
 //
 // Each block writes its split's partial softmax (running max in natural-log units, normalizer, value sum in the
 // value encoder's rotated domain) in the layout of the Triton attention kernel's partials, beside the window's
@@ -49,8 +50,11 @@
 #ifndef TQ_VALUES
 #define TQ_VALUES 0
 #endif
-#ifndef TQ_STAGES
-#define TQ_STAGES 4
+#ifndef TQ_RING
+#define TQ_RING 4
+#endif
+#ifndef TQ_PER
+#define TQ_PER 1
 #endif
 
 namespace {
@@ -66,7 +70,9 @@ constexpr int KEYS = TQ_KEYS, VALUES = TQ_VALUES;
 constexpr int WARPS = 4;
 constexpr int TILE = 16;  // tokens per warp step
 constexpr int ROWS = 8;   // query rows per block (the N of the products)
-constexpr int STAGES = TQ_STAGES;  // tiles a warp's ring holds (STAGES - 1 copies in flight)
+constexpr int RING = TQ_RING;  // tiles a warp's ring holds
+constexpr int PER = TQ_PER;    // tiles per online-softmax step (RING - PER copies in flight)
+static_assert(PER >= 1 && RING > PER, "a ring holds the tiles of a step and at least one in flight");
 constexpr int MT = D / 16;  // m-tiles of the value product, k-steps of the key product
 constexpr int GROUPS = D / 32;  // FP4 scale groups of a token
 constexpr int KROW = KEYS == TQ8 ? D : D / 2, VROW = D / 2;  // code bytes of a token's key, value
@@ -82,7 +88,7 @@ struct Stage {
   static constexpr int KSIDE_AT = KCODES + VCODES, VSIDE_AT = KSIDE_AT + 16 * KUNITS;
   static constexpr int BYTES = VSIDE_AT + 16 * VUNITS;
 };
-constexpr int RINGS = WARPS * STAGES * Stage::BYTES;
+constexpr int RINGS = WARPS * RING * Stage::BYTES;
 constexpr int TABLE = KEYS == TQ8 ? 256 * 32 * 4 : 0;  // the 8-bit levels, a 4-byte slot per code and bank
 constexpr int SUMS = WARPS * ROWS * D * 4;  // the warps' value sums (reusing the rings at the end)
 constexpr int SMEM = RINGS + TABLE > SUMS ? RINGS + TABLE : SUMS;
@@ -368,33 +374,21 @@ __global__ void __launch_bounds__(WARPS * 32) decode_kernel(
   for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // log2 units; l: this thread's tokens only
 
-  // this warp's tiles t_lo + (warp + WARPS i) TILE, i < n, through its ring of STAGES stages (STAGES - 1 in flight)
-  uint8_t* mine = smem + warp * STAGES * Stage::BYTES;
+  // this warp's tiles t_lo + (warp + WARPS i) TILE, i < n, through its ring of RING stages
+  uint8_t* mine = smem + warp * RING * Stage::BYTES;
   const uint32_t mine_s = (uint32_t)__cvta_generic_to_shared(mine);
   const int first = t_lo + warp * TILE, n = first < t_hi ? (t_hi - first + WARPS * TILE - 1) / (WARPS * TILE) : 0;
   Copier copier(first, t_hi, kc, vc, ks, vs, lane);
   const int ks_off = (int)(reinterpret_cast<uintptr_t>(ks) & 15), vs_off = (int)(reinterpret_cast<uintptr_t>(vs) & 15);
-#pragma unroll
-  for (int i = 0; i < STAGES - 1; ++i) {
-    if (i < n) copier.issue(mine_s + i * Stage::BYTES);
-    asm volatile("cp.async.commit_group;" ::: "memory");
-  }
-  for (int it = 0; it < n; ++it) {
-    const int t0 = first + it * WARPS * TILE;
-    if (it + STAGES - 1 < n)
-      copier.issue(mine_s + (it + STAGES - 1) % STAGES * Stage::BYTES);
-    asm volatile("cp.async.commit_group;" ::: "memory");
-    asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 1) : "memory");
-    __syncwarp();
-    const uint8_t* st = mine + it % STAGES * Stage::BYTES;
+  constexpr int KW = KROW / 16, VW = D / 64 > 0 ? D / 64 : 1;  // words of a key (value) row a thread reads
+  constexpr int KG = D / 128 > 0 ? D / 128 : 1;  // FP4 key groups a thread's words cover
+  // one tile's scaled scores s (tokens past t_hi: -inf) and its value factors vnorm, from stage st at token t0
+  auto scores = [&](const uint8_t* st, int t0, float (&s)[4], float (&vnorm)[2]) {
     const uint8_t* kside = st + Stage::KSIDE_AT + ks_off;
     const uint8_t* vside = st + Stage::VSIDE_AT + vs_off;
-    constexpr int KW = KROW / 16, VW = D / 64 > 0 ? D / 64 : 1;  // words of a key (value) row a thread reads
-    constexpr int KG = D / 128 > 0 ? D / 128 : 1;  // FP4 key groups a thread's words cover
-    uint32_t kw[2][KW], vw[4][VW];  // key rows g, g + 8; value tokens 2t, 2t + 1, 2t + 8, 2t + 9
-    float knorm[2], vnorm[2];  // tokens g, g + 8 (0 past the split)
+    uint32_t kw[2][KW];  // key rows g, g + 8
+    float knorm[2];  // tokens g, g + 8 (0 past the split)
     uint32_t kf[2][KG];  // FP4 keys: f16x2 factors of rows g, g + 8 in groups t D / 128 (+ 1)
-    uint32_t vf[2];  // FP4 values: f16x2 factors of tokens (2t, 2t + 1), (2t + 8, 2t + 9) in group g D / 256
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int i = g + 8 * r;
@@ -409,17 +403,7 @@ __global__ void __launch_bounds__(WARPS * 32) decode_kernel(
       }
     }
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int i = 2 * t + (r & 1) + 8 * (r >> 1);
-      lds(st + Stage::KCODES + i * VROW + g * (D / 16), vw[r]);
-      if constexpr (VALUES == FP4) {
-        const uint32_t f = pow2_half(vside[i * VSIDE + g * D / 256] - largest<GROUPS>(vside + i * VSIDE));
-        vf[r >> 1] = r & 1 ? vf[r >> 1] | f << 16 : f;
-      }
-    }
-    __syncwarp();  // the stage is read: the next iteration's copies may overwrite it
-
-    float s[4] = {0.f, 0.f, 0.f, 0.f};  // (token g, column 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)
+    for (int i = 0; i < 4; ++i) s[i] = 0.f;  // (token g, column 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)
     if constexpr (KEYS == TQ8) {
 #pragma unroll
       for (int j = 0; j < KW; ++j)
@@ -441,15 +425,73 @@ __global__ void __launch_bounds__(WARPS * 32) decode_kernel(
         mma(s, a[4], a[5], a[6], a[7], qb[2 * j + 1][0], qb[2 * j + 1][1]);
       }
     }
-    // online softmax per column (query row); tokens past the split score -inf
-    float mx[2];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int r = i >> 1;
       s[i] = t0 + g + 8 * r < t_hi ? s[i] * knorm[r] * qs[i & 1] : -INFINITY;
     }
-    mx[0] = fmaxf(s[0], s[2]);
-    mx[1] = fmaxf(s[1], s[3]);
+  };
+  // one tile's value product into acc, from stage st, with the probabilities' B fragments pb0, pb1
+  auto values = [&](const uint8_t* st, uint32_t pb0, uint32_t pb1) {
+    const uint8_t* vside = st + Stage::VSIDE_AT + vs_off;
+    uint32_t vw[4][VW];  // value tokens 2t, 2t + 1, 2t + 8, 2t + 9
+    uint32_t vf[2];  // FP4 values: f16x2 factors of tokens (2t, 2t + 1), (2t + 8, 2t + 9) in group g D / 256
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int i = 2 * t + (r & 1) + 8 * (r >> 1);
+      lds(st + Stage::KCODES + i * VROW + g * (D / 16), vw[r]);
+      if constexpr (VALUES == FP4) {
+        const uint32_t f = pow2_half(vside[i * VSIDE + g * D / 256] - largest<GROUPS>(vside + i * VSIDE));
+        vf[r >> 1] = r & 1 ? vf[r >> 1] | f << 16 : f;
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < VW; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {  // bytes 0-1, then 2-3 of word j: m-tiles 4j + 2h, 4j + 2h + 1
+        const uint32_t sel = h ? 0x7362 : 0x5140;
+        uint32_t la, ha, lb, hb, lc, hc, ld, hd;
+        lookup<VALUES == FP4>(prmt(vw[0][j], vw[1][j], sel), vt, la, ha, lb, hb);
+        lookup<VALUES == FP4>(prmt(vw[2][j], vw[3][j], sel), vt, lc, hc, ld, hd);
+        uint32_t a[8] = {prmt(la, ha, 0x6240), prmt(la, ha, 0x7351), prmt(lc, hc, 0x6240), prmt(lc, hc, 0x7351),
+                         prmt(lb, hb, 0x6240), prmt(lb, hb, 0x7351), prmt(ld, hd, 0x6240), prmt(ld, hd, 0x7351)};
+        if constexpr (VALUES == FP4) {
+#pragma unroll
+          for (int x = 0; x < 8; ++x) a[x] = mul2(a[x], vf[(x >> 1) & 1]);
+        }
+        const int mt = 4 * j + 2 * h;
+        if (mt < MT) mma(acc[mt], a[0], a[1], a[2], a[3], pb0, pb1);
+        if (mt + 1 < MT) mma(acc[mt + 1], a[4], a[5], a[6], a[7], pb0, pb1);
+      }
+    }
+  };
+  // PER tiles per step (one softmax update for them all); RING - PER tiles in flight while PER are computed
+#pragma unroll
+  for (int i = 0; i < RING - PER; ++i) {
+    if (i < n) copier.issue(mine_s + i * Stage::BYTES);
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  }
+  for (int it = 0; it < n; it += PER) {
+    __syncwarp();  // the previous step's stages are read: the copies may overwrite them
+#pragma unroll
+    for (int x = 0; x < PER; ++x) {
+      if (it + RING - PER + x < n) copier.issue(mine_s + (it + RING - PER + x) % RING * Stage::BYTES);
+      asm volatile("cp.async.commit_group;" ::: "memory");
+    }
+    asm volatile("cp.async.wait_group %0;" ::"n"(RING - PER) : "memory");
+    __syncwarp();
+    // tile it + x of the step: past the split where it + x >= n, so all its scores are -inf and its
+    // probabilities 0 (its stage holds finite levels of other tiles' codes, or none)
+    float s[PER][4], vn[PER][2];
+#pragma unroll
+    for (int x = 0; x < PER; ++x)
+      scores(mine + (it + x) % RING * Stage::BYTES, first + (it + x) * WARPS * TILE, s[x], vn[x]);
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int x = 0; x < PER; ++x) {
+      mx[0] = fmaxf(mx[0], fmaxf(s[x][0], s[x][2]));
+      mx[1] = fmaxf(mx[1], fmaxf(s[x][1], s[x][3]));
+    }
 #pragma unroll
     for (int o = 4; o < 32; o <<= 1) {
       mx[0] = fmaxf(mx[0], __shfl_xor_sync(0xffffffffu, mx[0], o));
@@ -470,34 +512,15 @@ __global__ void __launch_bounds__(WARPS * 32) decode_kernel(
         }
       }
     }
-    float p[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float shift = m[i & 1] == -INFINITY ? 0.f : m[i & 1];
-      p[i] = exp2f(s[i] - shift);
-    }
-    l[0] += p[0] + p[2];
-    l[1] += p[1] + p[3];
-    const uint32_t pb0 = transposed(half2_bits(p[0] * vnorm[0], p[1] * vnorm[0]));
-    const uint32_t pb1 = transposed(half2_bits(p[2] * vnorm[1], p[3] * vnorm[1]));
+    for (int x = 0; x < PER; ++x) {
+      float p[4];
 #pragma unroll
-    for (int j = 0; j < VW; ++j) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {  // bytes 0-1, then 2-3 of word j: m-tiles 4j + 2h, 4j + 2h + 1
-        const uint32_t sel = h ? 0x7362 : 0x5140;
-        uint32_t la, ha, lb, hb, lc, hc, ld, hd;
-        lookup<VALUES == FP4>(prmt(vw[0][j], vw[1][j], sel), vt, la, ha, lb, hb);
-        lookup<VALUES == FP4>(prmt(vw[2][j], vw[3][j], sel), vt, lc, hc, ld, hd);
-        uint32_t a[8] = {prmt(la, ha, 0x6240), prmt(la, ha, 0x7351), prmt(lc, hc, 0x6240), prmt(lc, hc, 0x7351),
-                         prmt(lb, hb, 0x6240), prmt(lb, hb, 0x7351), prmt(ld, hd, 0x6240), prmt(ld, hd, 0x7351)};
-        if constexpr (VALUES == FP4) {
-#pragma unroll
-          for (int x = 0; x < 8; ++x) a[x] = mul2(a[x], vf[(x >> 1) & 1]);
-        }
-        const int mt = 4 * j + 2 * h;
-        if (mt < MT) mma(acc[mt], a[0], a[1], a[2], a[3], pb0, pb1);
-        if (mt + 1 < MT) mma(acc[mt + 1], a[4], a[5], a[6], a[7], pb0, pb1);
-      }
+      for (int i = 0; i < 4; ++i) p[i] = exp2f(s[x][i] - (m[i & 1] == -INFINITY ? 0.f : m[i & 1]));
+      l[0] += p[0] + p[2];
+      l[1] += p[1] + p[3];
+      values(mine + (it + x) % RING * Stage::BYTES, transposed(half2_bits(p[0] * vn[x][0], p[1] * vn[x][0])),
+             transposed(half2_bits(p[2] * vn[x][1], p[3] * vn[x][1])));
     }
   }
 
