@@ -28,9 +28,9 @@ from torch import Tensor
 from tqdm import tqdm
 
 from . import kernels
-from .kernels.graphs import SearchGraphs
-from .checks import (as_float_tensor, check_bool, check_choice, check_int, check_norms, id_array, row_norms,
-                     unit_rows)
+from .kernels.graphs import SearchGraphs, any_true
+from .checks import (NORM_SAFE, as_float_tensor, check_bool, check_choice, check_finite, check_int, check_norms,
+                     id_array, row_norms, unit_rows)
 from .codes import Codes
 from .encoder import Encoder, encoder_from_dict
 from .io import register_index_type, write_index_file
@@ -302,13 +302,23 @@ class BaseIndex(ABC):
     def _vectors_in(self, x: Any, name: str, allow_empty: bool, stored: bool = False) -> Tensor:
         """Validate [n, dim] input -> float32 tensor on the index's device (unit rows for "cosine").
         Norms must suit the metric, and, for ``stored`` vectors, the encoder's side data."""
-        t = as_float_tensor(x, self.dim, name, allow_empty=allow_empty, finite=self.metric == "cosine")
+        cosine = self.metric == "cosine"
+        t = as_float_tensor(x, self.dim, name, allow_empty=allow_empty, finite=False)
         if t.dim() != 2:
             raise ValueError(f"{name} must be a 2-D array [n, {self.dim}], got shape {tuple(t.shape)}")
         t = t.to(self.device)
         if not len(t):
             return t
-        if self.metric == "cosine":
+        if kernels.select(t, self.encoder._backend(self.backend), ("native", "triton"), "row checks") == "triton":
+            from .kernels.checks_triton import checked_rows_triton  # imports triton
+
+            rows, norms, flags = checked_rows_triton(t, cosine, *(NORM_SAFE if cosine else INDEX_NORMS))
+            if not any_true(flags):  # else the checks below raise (or rescale unit rows exactly)
+                if stored and not cosine:
+                    self.encoder.check_norms(norms, name)
+                return rows
+        if cosine:
+            check_finite(t, name)
             return unit_rows(t)[1]
         norms = row_norms(t)
         check_norms(norms, *INDEX_NORMS, name, f"an {self.metric!r} index",

@@ -15,10 +15,10 @@ to read device values, as an IVF probe plan does) is remembered and always runs 
 A step that must look at device values only in rare cases (a query that fails validation) calls
 :func:`any_true`: while a graph is recorded it returns False and the flag
 is checked after every replay instead; where it is set, that search runs again without the graph. The checks
-of a graph are folded into one flag as they come, and an external event recorded in the graph right after the
-last of them (torch >= 2.8) marks where the host can read it: a replay returns as soon as that part of the
-graph has run (a search's validation comes first), so the host prepares the next search while the GPU scans,
-as for any other asynchronous torch operation.
+of a graph are folded into one flag as they come, each copied to the graph's pinned host scalar, and an external
+event recorded in the graph right after the last copy (torch >= 2.8) marks where the host can read it without a
+device call: a replay returns as soon as that part of the graph has run (a search's validation comes first), so
+the host prepares the next search while the GPU scans, as for any other asynchronous torch operation.
 
 Searches that run eagerly defer their checks the same way (:func:`checked`): the folded flag is copied to pinned
 host memory as it comes and an event follows the copy; the search launches all its work, then waits for that
@@ -52,9 +52,9 @@ _recording = threading.local()
 
 
 class _Check(NamedTuple):
-    """The deferred checks so far, folded into ``flag`` (bool, 0-dim), and the event recorded right after it (in a
-    graph: None where torch cannot record one there); eagerly, ``host``: its pinned copy, read once ``ready`` has
-    passed."""
+    """The deferred checks so far, folded into ``flag`` (bool, 0-dim), its copy in pinned memory ``host`` (in a graph:
+    the graph's one pinned scalar, which each check's copy overwrites) and the event recorded right after that copy
+    (in a graph: None where torch cannot record one there); the host reads ``host`` once ``ready`` has passed."""
 
     flag: Tensor
     ready: torch.cuda.Event | None
@@ -81,8 +81,9 @@ def any_true(flag: Tensor) -> bool:
     seen = flag.any()
     if checks:
         seen |= checks[-1].flag
-    if torch.cuda.is_current_stream_capturing():
-        checks.append(_Check(seen, _external_event()))
+    if torch.cuda.is_current_stream_capturing():  # the graph copies the flag to its pinned scalar, then the event
+        _recording.pinned.copy_(seen, non_blocking=True)
+        checks.append(_Check(seen, _external_event(), _recording.pinned))
     else:
         host = torch.empty((), dtype=torch.bool, pin_memory=True)
         host.copy_(seen, non_blocking=True)
@@ -119,7 +120,6 @@ class _Graph:
     out: tuple[Tensor, ...]
     checks: tuple[_Check, ...]  # the last folds them all; the graph records every one's event
     done: torch.cuda.Event = field(default_factory=torch.cuda.Event)
-    reader: torch.cuda.Stream | None = None
 
     def replay(self, q: Tensor) -> tuple[tuple[Tensor, ...], bool]:
         """Replay on queries q -> (copies of the outputs, whether a deferred check fired: search again). With
@@ -135,11 +135,8 @@ class _Graph:
             check = self.checks[-1]
             if check.ready is None:
                 return out, bool(check.flag)
-            check.ready.synchronize()
-            if self.reader is None:
-                self.reader = torch.cuda.Stream()
-            with torch.cuda.stream(self.reader):  # the flag is final: read it past the rest of the graph
-                return out, bool(check.flag)
+            check.ready.synchronize()  # the flag's copy in pinned memory is final: no device read
+            return out, bool(check.host)
 
 
 class SearchGraphs:
@@ -200,6 +197,8 @@ def _record(search: Callable[[Tensor], tuple[Tensor, ...]], q: Tensor) -> _Graph
         search(static)  # warm-up on the recording stream, as CUDA graphs require
         side.synchronize()
         _recording.checks = checks = []  # held past capture_end: the capture refers to their events
+        _recording.pinned = torch.empty((), dtype=torch.bool, pin_memory=True)  # the checks' copies (host memory
+        # is not allocated while capturing)
         graph.capture_begin(capture_error_mode="thread_local")
         try:
             out = search(static)
