@@ -301,7 +301,9 @@ class BaseIndex(ABC):
     # -- helpers ------------------------------------------------------------------------------------
     def _vectors_in(self, x: Any, name: str, allow_empty: bool, stored: bool = False) -> Tensor:
         """Validate [n, dim] input -> float32 tensor on the index's device (unit rows for "cosine").
-        Norms must suit the metric, and, for ``stored`` vectors, the encoder's side data."""
+        Norms must suit the metric, and, for ``stored`` vectors, the encoder's side data. Where ``kernels.select``
+        picks Triton the checks are one launch (``kernels/checks_triton.py``) and the PyTorch ones run only where
+        it flags a row."""
         cosine = self.metric == "cosine"
         t = as_float_tensor(x, self.dim, name, allow_empty=allow_empty, finite=False)
         if t.dim() != 2:
