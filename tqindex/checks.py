@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from . import kernels
 from .kernels.graphs import any_true
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -127,6 +128,19 @@ def unit_rows(t: Tensor) -> tuple[Tensor, Tensor]:
         scaled = torch.ldexp(t[unsafe].double(), -exp[:, None]).float()  # exact: norms near 1
         u[unsafe] = scaled / row_norms(scaled)[:, None]
     return n, u
+
+
+def rows_in_range(t: Tensor, unit: bool, low: float, high: float, backend: str | None) -> tuple[Tensor, Tensor] | None:
+    """Float32 t [n, d] checked in one Triton launch where ``kernels.select`` picks Triton for ``backend``
+    (``kernels/checks_triton.py``): (t / norms where ``unit``, else t; :func:`row_norms`) where every row is finite
+    and its nonzero norm within [low, high]. None where another backend runs or a row is flagged: then the checks
+    above run (they raise, or rescale unit rows exactly)."""
+    if kernels.select(t, backend, ("native", "triton"), "row checks") != "triton":
+        return None
+    from .kernels.checks_triton import checked_rows_triton  # imports triton
+
+    rows, norms, flags = checked_rows_triton(t, unit, low, high)
+    return None if any_true(flags) else (rows, norms)
 
 
 def check_norms(norms: Tensor, low: float, high: float, name: str, holder: str, remedy: str,

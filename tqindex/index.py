@@ -28,9 +28,9 @@ from torch import Tensor
 from tqdm import tqdm
 
 from . import kernels
-from .kernels.graphs import SearchGraphs, any_true
+from .kernels.graphs import SearchGraphs
 from .checks import (NORM_SAFE, as_float_tensor, check_bool, check_choice, check_finite, check_int, check_norms,
-                     id_array, row_norms, unit_rows)
+                     id_array, row_norms, rows_in_range, unit_rows)
 from .codes import Codes
 from .encoder import Encoder, encoder_from_dict
 from .io import register_index_type, write_index_file
@@ -301,9 +301,8 @@ class BaseIndex(ABC):
     # -- helpers ------------------------------------------------------------------------------------
     def _vectors_in(self, x: Any, name: str, allow_empty: bool, stored: bool = False) -> Tensor:
         """Validate [n, dim] input -> float32 tensor on the index's device (unit rows for "cosine").
-        Norms must suit the metric, and, for ``stored`` vectors, the encoder's side data. Where ``kernels.select``
-        picks Triton the checks are one launch (``kernels/checks_triton.py``) and the PyTorch ones run only where
-        it flags a row."""
+        Norms must suit the metric, and, for ``stored`` vectors, the encoder's side data (one Triton launch where
+        it runs: :func:`~tqindex.checks.rows_in_range`)."""
         cosine = self.metric == "cosine"
         t = as_float_tensor(x, self.dim, name, allow_empty=allow_empty, finite=False)
         if t.dim() != 2:
@@ -311,14 +310,11 @@ class BaseIndex(ABC):
         t = t.to(self.device)
         if not len(t):
             return t
-        if kernels.select(t, self.encoder._backend(self.backend), ("native", "triton"), "row checks") == "triton":
-            from .kernels.checks_triton import checked_rows_triton  # imports triton
-
-            rows, norms, flags = checked_rows_triton(t, cosine, *(NORM_SAFE if cosine else INDEX_NORMS))
-            if not any_true(flags):  # else the checks below raise (or rescale unit rows exactly)
-                if stored and not cosine:
-                    self.encoder.check_norms(norms, name)
-                return rows
+        checked = rows_in_range(t, cosine, *(NORM_SAFE if cosine else INDEX_NORMS), self.encoder._backend(self.backend))
+        if checked is not None:
+            if stored and not cosine:
+                self.encoder.check_norms(checked[1], name)
+            return checked[0]
         if cosine:
             check_finite(t, name)
             return unit_rows(t)[1]

@@ -4,8 +4,9 @@ a dozen small kernels (finiteness, float64 norms, their range, the division, the
 :func:`checked_rows_triton` computes each row's norm as :func:`tqindex.checks.row_norms` does (float64 sum of the
 exact squares, one rounding to float32), the unit rows as :func:`tqindex.checks.unit_rows` divides them (IEEE
 float32 division; zero rows stay zero), and one flag per program: a row that is not finite or whose nonzero norm
-lies outside [low, high]. Where a flag is set the caller runs the PyTorch reference, which raises the error (or,
-for unit rows outside NORM_SAFE, rescales them exactly); elsewhere both give the same rows and norms.
+lies outside [low, high]. Where a flag is set, :func:`tqindex.checks.rows_in_range` leaves the rows to the PyTorch
+checks, which raise the error (or, for unit rows outside NORM_SAFE, rescale them exactly); elsewhere both give the
+same rows and norms.
 """
 
 from __future__ import annotations
