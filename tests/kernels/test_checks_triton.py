@@ -39,7 +39,8 @@ def test_a_bad_row_sets_its_programs_flag(bad):
     only; zero rows never do."""
     from tqindex.kernels.checks_triton import ELEMENTS, checked_rows_triton
 
-    t = rows(300, 50, 1).div(row_norms(rows(300, 50, 1)).clamp_min(1e-30)[:, None])  # unit rows, the first zero
+    t = rows(300, 50, 1)
+    t /= row_norms(t).clamp_min(1e-30)[:, None]  # unit rows, the first zero
     i = 257
     if bad == "nan":
         t[i, 3] = float("nan")

@@ -197,8 +197,8 @@ def _record(search: Callable[[Tensor], tuple[Tensor, ...]], q: Tensor) -> _Graph
         search(static)  # warm-up on the recording stream, as CUDA graphs require
         side.synchronize()
         _recording.checks = checks = []  # held past capture_end: the capture refers to their events
-        _recording.pinned = torch.empty((), dtype=torch.bool, pin_memory=True)  # the checks' copies (host memory
-        # is not allocated while capturing)
+        # the checks' copies land here (host memory cannot be allocated while capturing)
+        _recording.pinned = torch.empty((), dtype=torch.bool, pin_memory=True)
         graph.capture_begin(capture_error_mode="thread_local")
         try:
             out = search(static)
